@@ -1,0 +1,70 @@
+"""Engine configuration: plain dataclasses validated in __post_init__."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+LOAD_FORMATS = ("auto", "dummy")
+
+
+def _positive(name: str, value) -> None:
+    if value is not None and (not isinstance(value, int) or value < 1):
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass
+class EngineConfig:
+    """Everything `LLM(**kwargs)` and `jaxllm serve --flags` accept, with vLLM's names."""
+
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    load_format: str = "auto"
+    seed: int = 0
+    # KV cache
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    num_gpu_blocks_override: int | None = None
+    # scheduler; None picks a default for the platform in resolve()
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    # compilation
+    compilation_cache_dir: str | None = field(
+        default_factory=lambda: os.environ.get(
+            "JAXLLM_COMPILATION_CACHE_DIR", os.path.expanduser("~/.cache/jaxllm/xla")
+        )
+    )
+    warmup: bool = True
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        for name in ("max_model_len", "block_size", "num_gpu_blocks_override",
+                     "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes"):
+            _positive(name, getattr(self, name))
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
+            raise ValueError("num_gpu_blocks_override must be at least 2 (one is the null block)")
+
+    def resolve(self, platform: str, model_max_len: int) -> None:
+        """Fill the platform-dependent defaults once the model and device are known."""
+        on_gpu = platform == "gpu"
+        if self.max_model_len is None:
+            self.max_model_len = model_max_len
+        if self.max_num_seqs is None:
+            self.max_num_seqs = 256 if on_gpu else 64
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = 8192 if on_gpu else 512
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
+                f"max_num_seqs ({self.max_num_seqs})")

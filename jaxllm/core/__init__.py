@@ -1,0 +1,1 @@
+"""Pure-Python scheduling and KV-cache bookkeeping. Imports no JAX."""

@@ -1,0 +1,266 @@
+"""LLMEngine: add_request / step / abort_request, as in vLLM."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxllm.config import EngineConfig
+from jaxllm.core.kv_cache_manager import KVCacheManager
+from jaxllm.core.request import Request, RequestStatus
+from jaxllm.core.scheduler import Scheduler
+from jaxllm.engine.detokenizer import IncrementalDetokenizer
+from jaxllm.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from jaxllm.loader import load_model
+from jaxllm.runner.model_runner import ModelRunner, kv_bytes_per_block
+from jaxllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("jaxllm")
+
+DEFAULT_CPU_KV_BYTES = 1 << 30
+
+
+def setup_compilation_cache(cache_dir: str | None) -> None:
+    if not cache_dir:
+        return
+    jax.config.update("jax_compilation_cache_dir", cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def resolve_dtype(name: str, platform: str):
+    if name == "auto":
+        # bf16 on accelerators; on CPU XLA's f32 matmuls are the fast ones
+        return jnp.bfloat16 if platform in ("gpu", "tpu") else jnp.float32
+    return jnp.dtype(name).type
+
+
+@dataclass
+class _Child:
+    """Engine-side view of one sequence: its detokenizer and the parent it reports to."""
+    request: Request
+    parent_id: str
+    index: int
+    detok: IncrementalDetokenizer | None
+
+
+@dataclass
+class _Parent:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[str]
+    metrics: RequestMetrics
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        start = time.perf_counter()
+        self.config = config
+        setup_compilation_cache(config.compilation_cache_dir)
+        platform = jax.default_backend()
+        self.dtype = resolve_dtype(config.dtype, platform)
+        loaded = load_model(config.model, self.dtype, config.load_format, config.seed,
+                            config.tokenizer)
+        self.arch = loaded.arch
+        self.tokenizer = loaded.tokenizer
+        self.eos_token_id = loaded.eos_token_id
+        model_max = loaded.arch.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > model_max:
+            raise ValueError(f"max_model_len ({config.max_model_len}) is larger than the model's "
+                             f"maximum context ({model_max})")
+        config.resolve(platform, model_max)
+        bs = config.block_size
+        per_block = kv_bytes_per_block(self.arch, bs, self.dtype)
+        num_blocks = self._num_blocks(platform, per_block, loaded)
+        self.runner = ModelRunner(loaded, self.dtype, num_blocks, bs, config.max_model_len,
+                                  config.max_num_seqs, config.max_num_batched_tokens)
+        if config.warmup:
+            secs = self.runner.compile_all()
+            logger.info("compiled %d step shapes in %.1f s", len(self.runner.shapes), secs)
+        self.kv_manager = KVCacheManager(num_blocks, bs)
+        self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs,
+                                   config.max_num_batched_tokens, config.max_model_len)
+        self._rng = np.random.default_rng(config.seed)
+        self._children: dict[str, _Child] = {}
+        self._parents: dict[str, _Parent] = {}
+        self.startup_seconds = time.perf_counter() - start
+        logger.info("engine ready in %.1f s (model %s, dtype %s, %s)", self.startup_seconds,
+                    loaded.path, jnp.dtype(self.dtype).name, platform)
+
+    def _num_blocks(self, platform: str, per_block: int, loaded) -> int:
+        cfg = self.config
+        if cfg.num_gpu_blocks_override is not None:
+            num = cfg.num_gpu_blocks_override
+        elif cfg.kv_cache_memory_bytes is not None:
+            num = cfg.kv_cache_memory_bytes // per_block
+        elif platform == "cpu":
+            num = DEFAULT_CPU_KV_BYTES // per_block
+        else:
+            num = self._profile_blocks(per_block, loaded)
+        if num < 2:
+            raise ValueError(f"the KV-cache budget fits {num} blocks of {per_block} bytes; "
+                             "at least 2 are needed (raise the memory budget)")
+        tokens = (num - 1) * cfg.block_size
+        logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB); maximum concurrency "
+                    "for %d-token requests: %.2fx", num, cfg.block_size, tokens,
+                    num * per_block / 2**30, cfg.max_model_len, tokens / cfg.max_model_len)
+        return num
+
+    def _profile_blocks(self, per_block: int, loaded) -> int:
+        """gpu_memory_utilization of device memory, less weights and a maximal step's scratch."""
+        cfg = self.config
+        dev = jax.devices()[0]
+        stats = dev.memory_stats() or {}
+        limit = stats.get("bytes_limit")
+        if not limit:
+            raise ValueError("device memory size is unknown; set kv_cache_memory_bytes or "
+                             "num_gpu_blocks_override")
+        # a runner with a 2-block cache, only to measure the largest step's scratch memory
+        probe = ModelRunner(loaded, self.dtype, 2, cfg.block_size, cfg.max_model_len,
+                            cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        scratch = probe.activation_bytes()
+        del probe
+        in_use = dev.memory_stats().get("bytes_in_use", 0)
+        budget = int(cfg.gpu_memory_utilization * limit) - in_use - scratch
+        logger.info("memory: limit %.2f GiB, in use %.2f GiB, step scratch %.2f GiB",
+                    limit / 2**30, in_use / 2**30, scratch / 2**30)
+        return max(0, budget // per_block)
+
+    # requests
+    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer")
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, (int, np.integer)) for t in prompt):
+            return None, [int(t) for t in prompt]
+        raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def validate_request(self, prompt, params: SamplingParams) -> tuple[str | None, list[int], SamplingParams]:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        text, ids = self._tokenize(prompt)
+        if not ids:
+            raise ValueError("prompt is empty: it must contain at least one token")
+        vocab = self.arch.vocab_size
+        if any(t < 0 or t >= vocab for t in ids):
+            raise ValueError(f"prompt contains token ids outside the vocabulary [0, {vocab})")
+        limit = self.config.max_model_len
+        if len(ids) >= limit:
+            raise ValueError(f"prompt is {len(ids)} tokens, but max_model_len is {limit}: "
+                             "no room to generate")
+        if params.max_tokens is not None and len(ids) + params.max_tokens > limit:
+            raise ValueError(f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) "
+                             f"exceeds max_model_len ({limit})")
+        return text, ids, params
+
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> None:
+        params = params or SamplingParams()
+        if request_id in self._parents:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, ids, params = self.validate_request(prompt, params)
+        arrival = time.time() if arrival_time is None else arrival_time
+        children = []
+        for i in range(params.n):
+            child_id = request_id if params.n == 1 else f"{i}_{request_id}"
+            if params.seed is not None:
+                seed = (params.seed + i) & 0xFFFFFFFF
+            else:
+                seed = int(self._rng.integers(0, 2**32))
+            req = Request(child_id, ids, params, self.eos_token_id, seed, arrival)
+            detok = None
+            if params.detokenize and self.tokenizer is not None:
+                detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens,
+                                               params.stop_strings, params.include_stop_str_in_output)
+            self._children[child_id] = _Child(req, request_id, i, detok)
+            children.append(child_id)
+        self._parents[request_id] = _Parent(request_id, text, ids, children, RequestMetrics(arrival))
+        for cid in children:
+            self.scheduler.add_request(self._children[cid].request)
+
+    def abort_request(self, request_id) -> None:
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            parent = self._parents.pop(rid, None)
+            if parent is None:
+                continue
+            self.scheduler.finish_requests(parent.children, RequestStatus.FINISHED_ABORTED)
+            for cid in parent.children:
+                self._children.pop(cid, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._parents)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._parents)
+
+    # one iteration
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        sampled = self.runner.execute_model(out)
+        now = time.time()
+        for rid in out.num_scheduled_tokens:
+            child = self._children.get(rid)
+            if child is not None:
+                m = self._parents[child.parent_id].metrics
+                if m.first_scheduled_time is None:
+                    m.first_scheduled_time = now
+        updates = self.scheduler.update_from_output(out, sampled)
+        touched = {}
+        for upd in updates:
+            child = self._children[upd.request.request_id]
+            req = child.request
+            if child.detok is not None:
+                hit = child.detok.update(upd.new_token_ids)
+                if hit is not None and not req.status.finished:
+                    req.stop_reason = hit
+                    self.scheduler.finish_requests(req.request_id, RequestStatus.FINISHED_STOPPED)
+            m = self._parents[child.parent_id].metrics
+            m.first_token_time = m.first_token_time or now
+            m.last_token_time = now
+            touched[child.parent_id] = None
+        return [self._make_output(pid) for pid in touched]
+
+    def _make_output(self, parent_id: str) -> RequestOutput:
+        parent = self._parents[parent_id]
+        outputs = []
+        finished = True
+        for cid in parent.children:
+            child = self._children[cid]
+            req = child.request
+            text = child.detok.output_text if child.detok is not None else ""
+            reason = req.finish_reason if req.status.finished else None
+            finished &= req.status.finished
+            parent.metrics.num_preemptions = max(parent.metrics.num_preemptions, req.num_preemptions)
+            outputs.append(CompletionOutput(child.index, text, list(req.output_token_ids),
+                                            finish_reason=reason, stop_reason=req.stop_reason))
+        if finished:
+            parent.metrics.finished_time = time.time()
+            del self._parents[parent_id]
+            for cid in parent.children:
+                del self._children[cid]
+        return RequestOutput(parent_id, parent.prompt, parent.prompt_token_ids, outputs, finished,
+                             dataclasses.replace(parent.metrics))
+
+    # introspection
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
+
+    def kv_cache_usage(self) -> float:
+        return self.kv_manager.usage()
+

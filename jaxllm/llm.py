@@ -1,0 +1,80 @@
+"""LLM: the offline API (generate, chat), as in vLLM."""
+from __future__ import annotations
+
+import itertools
+from typing import Sequence
+
+from tqdm.auto import tqdm
+
+from jaxllm.config import EngineConfig
+from jaxllm.engine.llm_engine import LLMEngine
+from jaxllm.engine.outputs import RequestOutput
+from jaxllm.sampling_params import SamplingParams
+
+
+def _is_token_list(x) -> bool:
+    return isinstance(x, (list, tuple)) and len(x) > 0 and all(isinstance(t, int) for t in x)
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_args):
+        self.llm_engine = LLMEngine(EngineConfig(model=model, **engine_args))
+        self._counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)) or _is_token_list(prompts):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        engine = self.llm_engine
+        for prompt, p in zip(prompts, params):  # reject bad input before anything runs
+            engine.validate_request(prompt, p)
+        ids = [str(next(self._counter)) for _ in prompts]
+        for rid, prompt, p in zip(ids, prompts, params):
+            engine.add_request(rid, prompt, p)
+        return self._run(ids, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        pending = set(ids)
+        final: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="generating", disable=not use_tqdm, unit="req")
+        try:
+            while pending:
+                for out in engine.step():
+                    if out.finished and out.request_id in pending:
+                        final[out.request_id] = out
+                        pending.discard(out.request_id)
+                        bar.update(1)
+        except BaseException:
+            engine.abort_request(list(pending))
+            raise
+        finally:
+            bar.close()
+        return [final[i] for i in ids]
+
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True, chat_template: str | None = None) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tok = self.get_tokenizer()
+        prompts = []
+        for conv in conversations:
+            ids = tok.apply_chat_template(conv, tokenize=True, add_generation_prompt=add_generation_prompt,
+                                          chat_template=chat_template)
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+            text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                           chat_template=chat_template)
+            prompts.append({"prompt": text, "prompt_token_ids": list(ids)})
+        return self.generate(prompts, sampling_params, use_tqdm)

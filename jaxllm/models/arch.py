@@ -1,0 +1,64 @@
+"""Architecture hyper-parameters, read from an HF config.json dict or GGUF metadata."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class ArchConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                             f"num_key_value_heads ({self.num_kv_heads})")
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "ArchConfig":
+        from jaxllm.models.registry import resolve_architecture
+        arch = resolve_architecture(cfg.get("architectures"))
+        heads = cfg["num_attention_heads"]
+        # transformers 5 folds rope_theta and rope_scaling into rope_parameters
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        sliding = cfg.get("sliding_window")
+        if arch.startswith("Qwen") and not cfg.get("use_sliding_window", False):
+            sliding = None
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=None if kind == "default" else rope,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            qkv_bias=arch == "Qwen2ForCausalLM" or cfg.get("attention_bias", False),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            sliding_window=sliding,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_id=cfg.get("eos_token_id"),
+        )

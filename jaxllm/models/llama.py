@@ -1,0 +1,109 @@
+"""The Llama family (Llama 2/3/3.1, Mistral, Qwen2, Qwen3, SmolLM2) as one Flax NNX model.
+
+Per-layer weights are stacked on a leading layer axis and the layers run under
+`jax.lax.scan`, so compile time does not grow with depth. Weights are stored `[in, out]`.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxllm.layers.attention import AttentionMetadata, paged_attention, write_kv
+from jaxllm.layers.norm import rms_norm
+from jaxllm.layers.rotary import apply_rope, rope_inv_freq
+from jaxllm.models.arch import ArchConfig
+
+
+def param_shapes(cfg: ArchConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter of the model by its dotted name."""
+    L, E, F = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
+    H, K, D, V = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size
+    shapes = {
+        "embed_tokens": (V, E),
+        "norm": (E,),
+        "layers.input_norm": (L, E),
+        "layers.wq": (L, E, H * D),
+        "layers.wk": (L, E, K * D),
+        "layers.wv": (L, E, K * D),
+        "layers.wo": (L, H * D, E),
+        "layers.post_norm": (L, E),
+        "layers.w_gate": (L, E, F),
+        "layers.w_up": (L, E, F),
+        "layers.w_down": (L, F, E),
+    }
+    if cfg.qkv_bias:
+        shapes |= {"layers.bq": (L, H * D), "layers.bk": (L, K * D), "layers.bv": (L, K * D)}
+    if cfg.qk_norm:
+        shapes |= {"layers.q_norm": (L, D), "layers.k_norm": (L, D)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (E, V)
+    return shapes
+
+
+def _init(name: str, shape, dtype, key):
+    if name.endswith("norm"):
+        return jnp.ones(shape, dtype)
+    if name.split(".")[-1].startswith("b"):
+        return jnp.zeros(shape, dtype)
+    return (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+
+class LlamaLayers(nnx.Module):
+    """All decoder layers, each weight stacked over the layer axis."""
+
+    def __init__(self, shapes: dict, dtype, rngs: nnx.Rngs):
+        for name, shape in shapes.items():
+            setattr(self, name, nnx.Param(_init(name, shape, dtype, rngs.params())))
+
+    def weights(self) -> dict[str, jax.Array]:
+        return {k: v[...] for k, v in vars(self).items() if isinstance(v, nnx.Param)}
+
+
+class LlamaForCausalLM(nnx.Module):
+    def __init__(self, cfg: ArchConfig, dtype=jnp.float32, *, rngs: nnx.Rngs,
+                 attention_backend: str = "xla"):
+        self.cfg = cfg
+        self.attention_backend = attention_backend
+        shapes = param_shapes(cfg)
+        layer_shapes = {k.split(".", 1)[1]: v for k, v in shapes.items() if k.startswith("layers.")}
+        self.embed_tokens = nnx.Param(_init("embed_tokens", shapes["embed_tokens"], dtype, rngs.params()))
+        self.layers = LlamaLayers(layer_shapes, dtype, rngs)
+        self.norm = nnx.Param(jnp.ones(shapes["norm"], dtype))
+        self.lm_head = (nnx.Param(_init("lm_head", shapes["lm_head"], dtype, rngs.params()))
+                        if "lm_head" in shapes else None)
+
+    def __call__(self, kv_cache: jax.Array, input_ids: jax.Array, md: AttentionMetadata,
+                 logits_indices: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Returns (logits [S, V] f32 of the last token of each sequence, new kv_cache)."""
+        cfg = self.cfg
+        T = input_ids.shape[0]
+        H, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        eps = cfg.rms_norm_eps
+        inv_freq = jnp.asarray(rope_inv_freq(D, cfg.rope_theta, cfg.rope_scaling))
+        scale = D ** -0.5
+        embed = self.embed_tokens[...]
+        x = embed[input_ids]
+
+        def layer(carry, w):
+            x, kv, i = carry
+            h = rms_norm(x, w["input_norm"], eps)
+            q, k, v = h @ w["wq"], h @ w["wk"], h @ w["wv"]
+            if cfg.qkv_bias:
+                q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
+            q, k, v = q.reshape(T, H, D), k.reshape(T, K, D), v.reshape(T, K, D)
+            if cfg.qk_norm:
+                q, k = rms_norm(q, w["q_norm"], eps), rms_norm(k, w["k_norm"], eps)
+            q = apply_rope(q, md.positions, inv_freq)
+            k = apply_rope(k, md.positions, inv_freq)
+            kv = write_kv(kv, i, k, v, md.slot_mapping)
+            o = paged_attention(q, kv, i, md, scale, cfg.sliding_window, self.attention_backend)
+            x = x + o.reshape(T, H * D) @ w["wo"]
+            h = rms_norm(x, w["post_norm"], eps)
+            x = x + (jax.nn.silu(h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"]
+            return (x, kv, i + 1), None
+
+        (x, kv_cache, _), _ = jax.lax.scan(layer, (x, kv_cache, jnp.int32(0)), self.layers.weights())
+        h = rms_norm(x[logits_indices], self.norm[...], eps)
+        head = embed.T if self.lm_head is None else self.lm_head[...]
+        return (h @ head).astype(jnp.float32), kv_cache
