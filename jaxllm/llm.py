@@ -17,8 +17,13 @@ def _is_token_list(x) -> bool:
 
 
 class LLM:
-    def __init__(self, model: str | None = None, **engine_args):
-        self.llm_engine = LLMEngine(EngineConfig(model=model, **engine_args))
+    def __init__(self, model: str | None = None, *, config: EngineConfig | None = None,
+                 **engine_args):
+        if config is None:
+            config = EngineConfig(model=model, **engine_args)
+        elif model is not None or engine_args:
+            raise ValueError("pass either config or model/engine arguments, not both")
+        self.llm_engine = LLMEngine(config)
         self._counter = itertools.count()
 
     def get_tokenizer(self):

@@ -1,0 +1,123 @@
+"""`jaxllm generate | chat | bench ...`"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+
+from jaxllm.config import EngineConfig
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="HF directory or GGUF file (default: SmolLM2-135M-Instruct)")
+    g.add_argument("--tokenizer", default=None)
+    g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    g.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=None)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--compilation-cache-dir", default=None,
+                   help="persistent XLA compilation cache (default ~/.cache/jaxllm/xla)")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    kwargs = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
+              if hasattr(args, f.name) and getattr(args, f.name) is not None}
+    return EngineConfig(**kwargs)
+
+
+def _sampling_args(p: argparse.ArgumentParser, max_tokens: int, temperature: float) -> None:
+    p.add_argument("--max-tokens", type=int, default=max_tokens)
+    p.add_argument("--temperature", type=float, default=temperature)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
+
+
+def _sampling_params(args):
+    from jaxllm.sampling_params import SamplingParams
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                          top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed)
+
+
+def _make_llm(args):
+    from jaxllm.llm import LLM
+    llm = LLM(config=engine_config_from_args(args))
+    print(f"ready in {llm.llm_engine.startup_seconds:.1f} s", file=sys.stderr)
+    return llm
+
+
+def cmd_generate(args) -> int:
+    llm = _make_llm(args)
+    prompts = args.prompt or ["The capital of France is"]
+    for out in llm.generate(prompts, _sampling_params(args), use_tqdm=False):
+        print(f"--- {out.prompt!r}")
+        print(out.outputs[0].text)
+    return 0
+
+
+def cmd_chat(args) -> int:
+    llm = _make_llm(args)
+    params = _sampling_params(args)
+    history = [{"role": "system", "content": args.system}] if args.system else []
+    interactive = sys.stdin.isatty() and not args.message
+    lines = args.message or sys.stdin
+    if interactive:
+        print("chat with the model; an empty line or Ctrl-D quits", file=sys.stderr)
+    while True:
+        if args.message:
+            line = lines.pop(0) if lines else None
+        elif not interactive:
+            line = next(lines, None)
+        else:
+            try:
+                line = input("> ")
+            except EOFError:
+                line = None
+        if line is None or not line.strip():
+            return 0
+        history.append({"role": "user", "content": line.strip()})
+        reply = llm.chat(history, params, use_tqdm=False)[0].outputs[0].text
+        history.append({"role": "assistant", "content": reply})
+        print(reply, flush=True)
+
+
+def main(argv=None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    parser = argparse.ArgumentParser(prog="jaxllm")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("generate", help="complete prompts offline")
+    p.add_argument("prompt", nargs="*")
+    add_engine_args(p)
+    _sampling_args(p, max_tokens=64, temperature=0.0)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("chat", help="chat with the model through its chat template")
+    p.add_argument("--system", default=None)
+    p.add_argument("--message", action="append", help="send this message (repeatable) instead of reading stdin")
+    add_engine_args(p)
+    _sampling_args(p, max_tokens=256, temperature=0.0)
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("bench", help="benchmarks")
+    bench = p.add_subparsers(dest="bench_command", required=True)
+    from benchmarks.throughput import add_args as add_throughput_args
+    bt = bench.add_parser("throughput", help="offline throughput against HF transformers")
+    add_engine_args(bt)
+    add_throughput_args(bt)
+    bt.set_defaults(func=lambda a: __import__("benchmarks.throughput", fromlist=["run"]).run(a))
+
+    args = parser.parse_args(argv)
+    return args.func(args) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
