@@ -60,6 +60,11 @@ class RequestUpdate:
 class Scheduler:
     def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int):
+        capacity = kv_cache_manager.pool.num_usable_blocks * kv_cache_manager.block_size
+        if capacity < max_model_len:
+            # otherwise a lone request could outgrow the pool and wait for blocks forever
+            raise ValueError(f"the KV cache holds {capacity} tokens, fewer than max_model_len "
+                             f"({max_model_len}); raise the KV-cache memory or lower max_model_len")
         self.kv = kv_cache_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens

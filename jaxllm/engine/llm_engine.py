@@ -78,14 +78,14 @@ class LLMEngine:
         bs = config.block_size
         per_block = kv_bytes_per_block(self.arch, bs, self.dtype)
         num_blocks = self._num_blocks(platform, per_block, loaded)
+        self.kv_manager = KVCacheManager(num_blocks, bs)
+        self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs,
+                                   config.max_num_batched_tokens, config.max_model_len)
         self.runner = ModelRunner(loaded, self.dtype, num_blocks, bs, config.max_model_len,
                                   config.max_num_seqs, config.max_num_batched_tokens)
         if config.warmup:
             secs = self.runner.compile_all()
-            logger.info("compiled %d step shapes in %.1f s", len(self.runner.shapes), secs)
-        self.kv_manager = KVCacheManager(num_blocks, bs)
-        self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs,
-                                   config.max_num_batched_tokens, config.max_model_len)
+            logger.info("compiled %d step shapes in %.1f s", len(self.runner.shapes.all), secs)
         self._rng = np.random.default_rng(config.seed)
         self._children: dict[str, _Child] = {}
         self._parents: dict[str, _Parent] = {}

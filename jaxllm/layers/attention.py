@@ -1,7 +1,11 @@
 """Paged attention over the flat ragged token layout.
 
-The KV cache of all layers is one array `[layers, 2, num_slots, kv_heads, head_dim]` where
-slot = block_id * block_size + offset. It is passed into the jitted step and returned, donated.
+The KV cache of all layers is one array `[layers, 2, kv_heads, num_slots, head_dim]` where
+slot = block_id * block_size + offset: each KV head's block is a contiguous `[block_size,
+head_dim]` tile, which is what a GPU kernel wants to load and what tensor parallelism shards.
+It is passed into the jitted step and returned, donated. Each layer first writes the step's
+new K and V through the slot mapping and then attends over the cache alone, so cached
+context, prefix hits and this step's tokens are all read the same way.
 """
 from __future__ import annotations
 
@@ -11,110 +15,177 @@ import jax
 import jax.numpy as jnp
 
 _NEG = -1e30
-KV_CHUNK = 128  # cached context tokens per loop iteration of the XLA path
-Q_BLOCK = 512   # query tokens per block of the in-step attention
+KV_CHUNK = 128  # cache tokens per loop iteration of the XLA path
+Q_TILE = 64     # query tokens per prefill work item of the XLA path
 
 
 @jax.tree_util.register_dataclass
 @dataclass
 class AttentionMetadata:
     positions: jax.Array        # [T]
-    slot_mapping: jax.Array     # [T]   padded tokens -> null block
+    slot_mapping: jax.Array     # [T]   padded tokens -> the null block
     token_seq_ids: jax.Array    # [T]   which sequence each token belongs to
     query_start_loc: jax.Array  # [S+1] padded rows repeat the total number of real tokens
     seq_lens: jax.Array         # [S]   context length after this step (0 for padded rows)
     block_tables: jax.Array     # [S, max_blocks]
+    # prefill work items: query tiles of the sequences with more than one token this step
+    tile_seq: jax.Array         # [W]   sequence of each tile
+    tile_start: jax.Array       # [W]   first token (flat index) of each tile
+    num_tiles: jax.Array        # []    how many of the W tiles are real
     block_size: int = field(metadata=dict(static=True), default=16)
+
+
+def q_tile_size(num_tokens: int) -> int:
+    return min(num_tokens, Q_TILE)
+
+
+def max_tiles(num_tokens: int, num_seqs: int) -> int:
+    """Upper bound on prefill tiles for a (tokens, seqs) bucket: sum of ceil(len / tile)."""
+    return num_tokens // q_tile_size(num_tokens) + num_seqs
+
+
+def kv_chunk(block_size: int) -> int:
+    return max(block_size, KV_CHUNK // block_size * block_size)
 
 
 def write_kv(kv_cache: jax.Array, layer: jax.Array, k: jax.Array, v: jax.Array,
              slot_mapping: jax.Array) -> jax.Array:
-    kv = jnp.stack([k, v], axis=1).astype(kv_cache.dtype)  # [T, 2, KVH, D]
-    return kv_cache.at[layer, :, slot_mapping].set(kv, mode="drop")
+    """k, v: [T, KVH, D] -> written at kv_cache[layer, 0/1, :, slot_mapping]."""
+    kv = jnp.stack([k, v], axis=0).swapaxes(1, 2).astype(kv_cache.dtype)  # [2, KVH, T, D]
+    return kv_cache.at[layer, :, :, slot_mapping].set(kv.transpose(2, 0, 1, 3), mode="drop")
 
 
-def _merge(state, s, v, mask):
-    """One online-softmax update. s: [T, KVH, G, C] scores, v: values, mask: [T, C]."""
+def _softcap(s, soft_cap):
+    return s if soft_cap is None else soft_cap * jnp.tanh(s / soft_cap)
+
+
+def _online_update(state, s, v, mask):
+    """One online-softmax step. s: [..., C] scores with mask broadcastable to it; v(p) -> values."""
     m, l, acc = state
-    s = jnp.where(mask[:, None, None, :], s, _NEG)
+    s = jnp.where(mask, s, _NEG)
     m_new = jnp.maximum(m, s.max(-1))
-    # masked entries are zeroed explicitly: a block may be fully masked
-    p = jnp.where(mask[:, None, None, :], jnp.exp(s - m_new[..., None]), 0.0)
+    # masked entries are zeroed explicitly: a chunk may be fully masked
+    p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
     corr = jnp.exp(m - m_new)
     return m_new, l * corr + p.sum(-1), acc * corr[..., None] + v(p)
 
 
-def paged_attention_xla(q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: jax.Array,
-                        layer: jax.Array, md: AttentionMetadata, scale: float,
-                        sliding_window: int | None = None) -> jax.Array:
-    """Causal attention of each token over its own sequence.
+def _finish(state):
+    _, l, acc = state
+    return acc / jnp.maximum(l, 1e-30)[..., None]
 
-    q: [T, H, D]; k, v: [T, KVH, D], this step's keys and values. Two parts share one online
-    softmax: the step's own tokens attend to each other densely (block-diagonal by sequence),
-    then a loop over the context cached by earlier steps gathers it through the block table in
-    chunks. The loop's trip count is the longest cached context in the batch, so a batch of
-    fresh prompts reads no cache at all while shapes stay static.
+
+def _chunk_slots(table_rows: jax.Array, c: jax.Array, chunk: int, bs: int) -> jax.Array:
+    """Slots of cache positions [c*chunk, (c+1)*chunk) for each table row: [..., chunk]."""
+    nb = chunk // bs
+    blocks = jax.lax.dynamic_slice_in_dim(table_rows, c * nb, nb, axis=-1)
+    slots = blocks[..., :, None] * bs + jnp.arange(bs)
+    return slots.reshape(*blocks.shape[:-1], chunk)
+
+
+def _decode_pass(qg, kv_cache, layer, md, window, soft_cap):
+    """The last token of every sequence against its whole context, batched over sequences.
+
+    qg: [S, KVH, G, D] f32, already scaled. Returns [S, KVH, G, D].
+    """
+    S, KVH, G, D = qg.shape
+    bs = md.block_size
+    chunk = kv_chunk(bs)
+    last = jnp.maximum(md.query_start_loc[1:] - 1, 0)
+    q_pos = md.positions[last]  # [S]
+    lens = md.seq_lens
+    lo = jnp.zeros_like(lens) if window is None else jnp.maximum(q_pos - window + 1, 0)
+    first = jnp.min(jnp.where(lens > 0, lo, jnp.iinfo(jnp.int32).max)) // chunk
+    last_chunk = -(-jnp.max(lens) // chunk)
+
+    def body(c, state):
+        slots = _chunk_slots(md.block_tables, c, chunk, bs)  # [S, C]
+        # one gather straight from the stacked cache: slicing the layer out first would copy it
+        k = kv_cache[layer, 0, :, slots].astype(jnp.float32)  # [S, C, KVH, D]
+        v = kv_cache[layer, 1, :, slots].astype(jnp.float32)
+        s = _softcap(jnp.einsum("skgd,sckd->skgc", qg, k), soft_cap)
+        k_pos = c * chunk + jnp.arange(chunk)
+        mask = (k_pos[None, :] < lens[:, None]) & (k_pos[None, :] >= lo[:, None])
+        return _online_update(state, s, lambda p: jnp.einsum("skgc,sckd->skgd", p, v),
+                              mask[:, None, None, :])
+
+    init = (jnp.full((S, KVH, G), _NEG, jnp.float32), jnp.zeros((S, KVH, G), jnp.float32),
+            jnp.zeros((S, KVH, G, D), jnp.float32))
+    return _finish(jax.lax.fori_loop(first, jnp.maximum(first, last_chunk), body, init))
+
+
+def _prefill_pass(qg, out, kv_cache, layer, md, window, soft_cap):
+    """Every token of the sequences with more than one token this step, tile by tile.
+
+    qg: [T, KVH, G, D] f32 scaled queries; out: [T, KVH, G, D] to update in place.
+    """
+    T, KVH, G, D = qg.shape
+    bs = md.block_size
+    chunk = kv_chunk(bs)
+    qt = q_tile_size(T)
+    rows = jnp.arange(qt)
+
+    def tile(w, out):
+        s_id = md.tile_seq[w]
+        start = md.tile_start[w]
+        seq_end = md.query_start_loc[s_id + 1]
+        base = jnp.minimum(start, T - qt)  # dynamic_slice would clamp; keep the offset explicit
+        q = jax.lax.dynamic_slice_in_dim(qg, base, qt)  # [qt, KVH, G, D]
+        pos = jax.lax.dynamic_slice_in_dim(md.positions, base, qt)
+        valid = (base + rows >= start) & (base + rows < jnp.minimum(start + qt, seq_end))
+        q_hi = jnp.max(jnp.where(valid, pos, 0))
+        q_lo = jnp.min(jnp.where(valid, pos, jnp.iinfo(jnp.int32).max))
+        lo = 0 if window is None else jnp.maximum(q_lo - window + 1, 0)
+        table = md.block_tables[s_id]
+
+        def body(c, state):
+            slots = _chunk_slots(table, c, chunk, bs)  # [C]
+            k = kv_cache[layer, 0, :, slots].astype(jnp.float32)  # [C, KVH, D]
+            v = kv_cache[layer, 1, :, slots].astype(jnp.float32)
+            s = _softcap(jnp.einsum("qkgd,ckd->qkgc", q, k), soft_cap)
+            k_pos = c * chunk + jnp.arange(chunk)
+            mask = k_pos[None, :] <= pos[:, None]
+            if window is not None:
+                mask &= k_pos[None, :] > pos[:, None] - window
+            return _online_update(state, s, lambda p: jnp.einsum("qkgc,ckd->qkgd", p, v),
+                                  mask[:, None, None, :])
+
+        init = (jnp.full((qt, KVH, G), _NEG, jnp.float32), jnp.zeros((qt, KVH, G), jnp.float32),
+                jnp.zeros((qt, KVH, G, D), jnp.float32))
+        res = _finish(jax.lax.fori_loop(lo // chunk, q_hi // chunk + 1, body, init))
+        old = jax.lax.dynamic_slice_in_dim(out, base, qt)
+        new = jnp.where(valid[:, None, None, None], res, old)
+        return jax.lax.dynamic_update_slice_in_dim(out, new, base, axis=0)
+
+    return jax.lax.fori_loop(0, md.num_tiles, tile, out)
+
+
+def paged_attention_xla(q: jax.Array, kv_cache: jax.Array, layer: jax.Array,
+                        md: AttentionMetadata, scale: float, sliding_window: int | None = None,
+                        soft_cap: float | None = None) -> jax.Array:
+    """Causal attention of each token over its sequence's cached context (this step included).
+
+    q: [T, H, D]. Two passes share the work: every sequence's last token (all of a decode
+    batch) is done for all sequences at once; the other tokens of prefill chunks go tile by
+    tile, and that pass is skipped at run time when the step has no prefill.
     """
     T, H, D = q.shape
-    KVH = k.shape[1]
+    KVH = kv_cache.shape[2]
     G = H // KVH
-    bs = md.block_size
-    f32 = jnp.float32
-    qg = (q.astype(f32) * scale).reshape(T, KVH, G, D)
-    kf, vf = k.astype(f32), v.astype(f32)
-    pos, seq = md.positions, md.token_seq_ids
-    idx = jnp.arange(T)
-    num_real = md.query_start_loc[-1]
-    ctx_start = pos - (idx - md.query_start_loc[seq])  # first position computed in this step
-
-    def window(q_pos, k_pos):
-        ok = k_pos <= q_pos
-        if sliding_window is not None:
-            ok &= k_pos > q_pos - sliding_window
-        return ok
-
-    init = (jnp.full((T, KVH, G), _NEG, f32), jnp.zeros((T, KVH, G), f32),
-            jnp.zeros((T, KVH, G, D), f32))
-
-    # this step's tokens, in query blocks to bound the score matrix
-    qb = min(T, Q_BLOCK)
-    nb = -(-T // qb)
-    pad = nb * qb - T
-
-    def in_step(args):
-        qblk, rows = args  # [qb, KVH, G, D], [qb]
-        rows_c = jnp.minimum(rows, T - 1)
-        s = jnp.einsum("tkgd,ckd->tkgc", qblk, kf)
-        mask = ((seq[rows_c][:, None] == seq[None, :]) & window(pos[rows_c][:, None], pos[None, :])
-                & (idx[None, :] < num_real)) | (rows[:, None] == idx[None, :])
-        st = tuple(x[:qblk.shape[0]] for x in init)
-        return _merge(st, s, lambda p: jnp.einsum("tkgc,ckd->tkgd", p, vf), mask)
-
-    q_blocks = jnp.pad(qg, ((0, pad), (0, 0), (0, 0), (0, 0))).reshape(nb, qb, KVH, G, D)
-    rows = jnp.arange(nb * qb).reshape(nb, qb)
-    state = jax.lax.map(in_step, (q_blocks, rows))
-    state = tuple(x.reshape(nb * qb, *x.shape[2:])[:T] for x in state)
-
-    # context cached by earlier steps
-    tables = md.block_tables[seq]  # [T, max_blocks]
-    max_blocks = md.block_tables.shape[1]
-    num_chunks = -(-jnp.max(jnp.where(idx < num_real, ctx_start, 0)) // KV_CHUNK)
-
-    def cached(j, state):
-        ctx = j * KV_CHUNK + jnp.arange(KV_CHUNK)
-        blk = jnp.take(tables, jnp.minimum(ctx // bs, max_blocks - 1), axis=1)  # [T, CH]
-        slots = blk * bs + ctx % bs
-        kc = kv_cache[layer, 0, slots].astype(f32)  # [T, CH, KVH, D]
-        vc = kv_cache[layer, 1, slots].astype(f32)
-        s = jnp.einsum("tkgd,tckd->tkgc", qg, kc)
-        mask = (ctx[None, :] < ctx_start[:, None]) & window(pos[:, None], ctx[None, :])
-        return _merge(state, s, lambda p: jnp.einsum("tkgc,tckd->tkgd", p, vc), mask)
-
-    _, l, acc = jax.lax.fori_loop(0, num_chunks, cached, state)
-    return (acc / l[..., None]).reshape(T, H, D).astype(q.dtype)
+    qg = (q.astype(jnp.float32) * scale).reshape(T, KVH, G, D)
+    last = md.query_start_loc[1:] - 1
+    dec = _decode_pass(qg[jnp.maximum(last, 0)], kv_cache, layer, md, sliding_window, soft_cap)
+    # padded sequence rows (seq_len 0) write nowhere
+    dst = jnp.where(md.seq_lens > 0, last, T)
+    out = jnp.zeros_like(qg).at[dst].set(dec, mode="drop")
+    out = jax.lax.cond(md.num_tiles > 0,
+                       lambda o: _prefill_pass(qg, o, kv_cache, layer, md, sliding_window, soft_cap),
+                       lambda o: o, out)
+    return out.reshape(T, H, D).astype(q.dtype)
 
 
-def paged_attention(q, k, v, kv_cache, layer, md, scale, sliding_window=None, backend="xla"):
+def paged_attention(q, kv_cache, layer, md, scale, sliding_window=None, soft_cap=None,
+                    backend="xla"):
     if backend == "xla":
-        return paged_attention_xla(q, k, v, kv_cache, layer, md, scale, sliding_window)
+        return paged_attention_xla(q, kv_cache, layer, md, scale, sliding_window, soft_cap)
     raise ValueError(f"unknown attention backend {backend!r}")

@@ -87,5 +87,5 @@ def load_gguf_weights(reader, cfg: ArchConfig, shapes: dict, dtype) -> dict[str,
             w = _unpermute(w, cfg.num_heads)
         elif name == "layers.wk":
             w = _unpermute(w, cfg.num_kv_heads)
-        out.put(name, layer, w.T if transpose else w, t.name)
+        out.put(name, layer, w, t.name, transpose)
     return out.finish()

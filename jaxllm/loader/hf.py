@@ -51,13 +51,18 @@ class StackedWeights:
         self.arrays: dict[str, np.ndarray] = {}
         self.filled: dict[str, set] = {}
 
-    def put(self, name: str, layer: int | None, value: np.ndarray, source: str) -> None:
+    def put(self, name: str, layer: int | None, value: np.ndarray, source: str,
+            transpose: bool = False) -> None:
+        """Store `value` (`value.T` when `transpose`), checking its shape as the file has it."""
         if name not in self.shapes:
             return  # e.g. lm_head of a tied checkpoint
         full = self.shapes[name]
-        want = full[1:] if layer is not None else full
-        if tuple(value.shape) != tuple(want):
-            raise ValueError(f"tensor {source} has shape {tuple(value.shape)}, expected {tuple(want)}")
+        want = tuple(full[1:] if layer is not None else full)
+        file_shape = want[::-1] if transpose else want
+        if tuple(value.shape) != file_shape:
+            raise ValueError(f"tensor {source} has shape {tuple(value.shape)}, expected {file_shape}")
+        if transpose:
+            value = value.T
         if layer is None:
             self.arrays[name] = np.asarray(value, dtype=self.dtype)
             self.filled[name] = {None}

@@ -62,12 +62,18 @@ def _gguf_file(path: str) -> str | None:
     return None
 
 
-def load_tokenizer(path: str, gguf_file: str | None):
+def _load_tokenizer(path: str, gguf_file: str | None):
     from transformers import AutoTokenizer
     if gguf_file:
         return AutoTokenizer.from_pretrained(os.path.dirname(gguf_file),
                                              gguf_file=os.path.basename(gguf_file))
     return AutoTokenizer.from_pretrained(path)
+
+
+def get_tokenizer(model: str | None):
+    """The tokenizer of a model reference (an HF directory, a GGUF file, None for the default)."""
+    path = resolve_model_path(model)
+    return _load_tokenizer(path, _gguf_file(path))
 
 
 def _read_weights(path: str, gguf_file: str | None, cfg_only: bool, dtype):
@@ -93,7 +99,7 @@ def _read_weights(path: str, gguf_file: str | None, cfg_only: bool, dtype):
             if mapped is None:
                 continue
             ours, layer, transpose = mapped
-            out.put(ours, layer, tensor.T if transpose else tensor, name)
+            out.put(ours, layer, tensor, name, transpose)
     return arch, out.finish()
 
 
@@ -103,7 +109,8 @@ def ArchConfig_from_gguf(reader) -> ArchConfig:
 
 
 def load_model(model: str | None, dtype, load_format: str = "auto", seed: int = 0,
-               tokenizer: str | None = None, attention_backend: str = "xla") -> LoadedModel:
+               tokenizer: str | None = None, attention_backend: str = "xla",
+               load_tokenizer: bool = True) -> LoadedModel:
     path = resolve_model_path(model)
     gguf_file = _gguf_file(path)
     np_dtype = np.dtype(jnp.dtype(dtype))
@@ -126,7 +133,7 @@ def load_model(model: str | None, dtype, load_format: str = "auto", seed: int = 
             return jnp.asarray(weights[".".join(keys)], dtype=dtype)
 
         state = jax.tree_util.tree_map_with_path(fill, abstract_state)
-    tok = load_tokenizer(tokenizer or path, None if tokenizer else gguf_file)
+    tok = _load_tokenizer(tokenizer or path, None if tokenizer else gguf_file) if load_tokenizer else None
     eos = arch.eos_token_id
     if isinstance(eos, list):
         eos = eos[0] if eos else None

@@ -97,7 +97,7 @@ class LlamaForCausalLM(nnx.Module):
             q = apply_rope(q, md.positions, inv_freq)
             k = apply_rope(k, md.positions, inv_freq)
             kv = write_kv(kv, i, k, v, md.slot_mapping)
-            o = paged_attention(q, k, v, kv, i, md, scale, cfg.sliding_window, self.attention_backend)
+            o = paged_attention(q, kv, i, md, scale, cfg.sliding_window, None, self.attention_backend)
             x = x + o.reshape(T, H * D) @ w["wo"]
             h = rms_norm(x, w["post_norm"], eps)
             x = x + (jax.nn.silu(h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"]

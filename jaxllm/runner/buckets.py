@@ -1,14 +1,25 @@
-"""Padded shape buckets: powers of two up to the limit, chosen by bisect."""
+"""Padded step shapes: token counts T and sequence counts S from short fixed lists.
+
+Token buckets are powers of two up to `linear_from`, then multiples of it. For each T only
+sequence buckets between T/`seq_ratio` and T are compiled: padding a step with many tokens
+to more sequence rows costs only the rows' logits and sampling, a few percent of the step,
+while every extra pair costs a compilation at every start.
+"""
 from __future__ import annotations
 
 import bisect
 
 
-def make_buckets(minimum: int, maximum: int) -> list[int]:
+def make_buckets(minimum: int, maximum: int, linear_from: int | None = None) -> list[int]:
     out, b = [], max(1, minimum)
-    while b < maximum:
+    while b < maximum and (linear_from is None or b < linear_from):
         out.append(b)
         b *= 2
+    if linear_from is not None:
+        b = max(b, linear_from)
+        while b < maximum:
+            out.append(b)
+            b += linear_from
     out.append(maximum)
     return out
 
@@ -20,7 +31,26 @@ def pick(buckets: list[int], n: int) -> int:
     return buckets[i]
 
 
-def step_shapes(token_buckets: list[int], seq_buckets: list[int]) -> list[tuple[int, int]]:
-    """Every (tokens, seqs) pair a step can take: the token bucket is picked at least as
-    large as the seq bucket, so pairs with more seqs than tokens never occur."""
-    return [(t, s) for t in token_buckets for s in seq_buckets if s <= t]
+class StepShapes:
+    def __init__(self, token_buckets: list[int], seq_buckets: list[int], seq_ratio: int = 8):
+        self.token_buckets = token_buckets
+        self.seq_buckets = seq_buckets
+        self.seqs_for: dict[int, list[int]] = {}
+        for t in token_buckets:
+            fits = [s for s in seq_buckets if s <= t]
+            lo = min(t // seq_ratio, fits[-1])
+            self.seqs_for[t] = [s for s in fits if s >= lo]
+
+    @property
+    def all(self) -> list[tuple[int, int]]:
+        return [(t, s) for t in self.token_buckets for s in self.seqs_for[t]]
+
+    def pick(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
+        """The smallest compiled (T, S) holding num_tokens tokens in num_seqs sequences."""
+        t = pick(self.token_buckets, max(num_tokens, num_seqs))
+        i = bisect.bisect_left(self.token_buckets, t)
+        for t in self.token_buckets[i:]:
+            seqs = self.seqs_for[t]
+            if seqs[-1] >= num_seqs:
+                return t, pick(seqs, num_seqs)
+        raise ValueError(f"no step shape holds {num_tokens} tokens in {num_seqs} sequences")

@@ -9,7 +9,6 @@ import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -20,33 +19,67 @@ from tqdm.auto import tqdm
 from jaxllm.core.block_pool import NULL_BLOCK
 from jaxllm.core.kv_cache_manager import cdiv
 from jaxllm.core.scheduler import SchedulerOutput
-from jaxllm.layers.attention import AttentionMetadata
-from jaxllm.runner.buckets import make_buckets, pick, step_shapes
+from jaxllm.layers.attention import AttentionMetadata, kv_chunk, max_tiles, q_tile_size
+from jaxllm.runner.buckets import StepShapes, make_buckets
+from jaxllm.runner.input_batch import InputBatch
 from jaxllm.runner.sampler import SamplingMetadata, sample
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class CachedRequestState:
-    token_ids: list[int]
-    num_prompt_tokens: int
-    block_ids: list[int]
-    num_computed_tokens: int
-    temperature: float
-    top_k: int
-    top_p: float
-    min_p: float
-    seed: int
-
-
 def kv_cache_shape(arch, num_blocks: int, block_size: int) -> tuple[int, ...]:
-    return (arch.num_layers, 2, num_blocks * block_size, arch.num_kv_heads, arch.head_dim)
+    return (arch.num_layers, 2, arch.num_kv_heads, num_blocks * block_size, arch.head_dim)
 
 
 def kv_bytes_per_block(arch, block_size: int, dtype) -> int:
     return (arch.num_layers * 2 * block_size * arch.num_kv_heads * arch.head_dim
             * jnp.dtype(dtype).itemsize)
+
+
+def table_width(max_model_len: int, block_size: int) -> int:
+    """Block-table columns: enough for max_model_len, rounded up to whole attention chunks
+    so that the attention loop's chunked slices of a row never run off its end."""
+    per_chunk = kv_chunk(block_size) // block_size
+    return cdiv(cdiv(max_model_len, block_size), per_chunk) * per_chunk
+
+
+def attention_metadata(starts: np.ndarray, n: np.ndarray, tables: np.ndarray, T: int, S: int,
+                       block_size: int) -> AttentionMetadata:
+    """The flat ragged layout of one step, padded to T tokens and S sequences.
+
+    starts[i]: tokens of sequence i already in the cache; n[i]: its tokens this step;
+    tables[i]: its block-table row. Padded tokens write to the null block.
+    """
+    S_real, T_real = len(n), int(n.sum())
+    bs = block_size
+    qsl = np.zeros(S + 1, np.int32)
+    np.cumsum(n, out=qsl[1:S_real + 1])
+    qsl[S_real + 1:] = T_real
+    seq_ids = np.zeros(T, np.int32)
+    seq_ids[:T_real] = np.repeat(np.arange(S_real, dtype=np.int32), n)
+    positions = np.zeros(T, np.int32)
+    positions[:T_real] = np.arange(T_real, dtype=np.int32) + np.repeat(starts - qsl[:S_real], n)
+    real_pos = positions[:T_real]
+    block_tables = np.full((S, tables.shape[1]), NULL_BLOCK, np.int32)
+    block_tables[:S_real] = tables
+    slots = np.full(T, NULL_BLOCK * bs, np.int32)
+    slots[:T_real] = block_tables[seq_ids[:T_real], real_pos // bs] * bs + real_pos % bs
+    seq_lens = np.zeros(S, np.int32)
+    seq_lens[:S_real] = starts + n
+
+    # prefill tiles: each sequence with more than one token, cut into query tiles
+    qt = q_tile_size(T)
+    W = max_tiles(T, S)
+    multi = np.nonzero(n > 1)[0]
+    per_seq = -(-n[multi] // qt)
+    num_tiles = int(per_seq.sum())
+    tile_seq = np.zeros(W, np.int32)
+    tile_start = np.zeros(W, np.int32)
+    tile_seq[:num_tiles] = np.repeat(multi, per_seq)
+    first_tile = np.repeat(np.cumsum(per_seq) - per_seq, per_seq)
+    tile_start[:num_tiles] = qsl[tile_seq[:num_tiles]] + (np.arange(num_tiles) - first_tile) * qt
+    return AttentionMetadata(positions, slots, seq_ids, qsl, seq_lens, block_tables, tile_seq,
+                             tile_start, np.int32(num_tiles), block_size=bs)
 
 
 class ModelRunner:
@@ -58,14 +91,16 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.max_blocks_per_seq = cdiv(max_model_len, block_size)
-        self.token_buckets = make_buckets(min(16, max_num_batched_tokens), max_num_batched_tokens)
-        self.seq_buckets = make_buckets(1, max_num_seqs)
-        self.shapes = step_shapes(self.token_buckets, self.seq_buckets)
+        self.max_blocks_per_seq = table_width(max_model_len, block_size)
+        self.shapes = StepShapes(
+            make_buckets(min(16, max_num_batched_tokens), max_num_batched_tokens, linear_from=1024),
+            make_buckets(1, max_num_seqs))
         self.kv_cache = jnp.zeros(kv_cache_shape(self.arch, num_blocks, block_size), dtype)
-        self.requests: dict[str, CachedRequestState] = {}
+        self.batch = InputBatch(max_num_seqs, max_model_len, self.max_blocks_per_seq)
+        self.sampling: dict[str, tuple] = {}  # req_id -> (SamplingParams, seed)
         self._compiled: dict[tuple[int, int], object] = {}
         self.num_steps = 0
+        self.num_compiles_after_warmup = 0
         graphdef = self.graphdef
 
         def step(state, kv_cache, input_ids, md, logits_indices, sampling_md):
@@ -79,8 +114,10 @@ class ModelRunner:
     def _abstract_inputs(self, T: int, S: int):
         i32, f32 = jnp.int32, jnp.float32
         sds = jax.ShapeDtypeStruct
+        W = max_tiles(T, S)
         md = AttentionMetadata(sds((T,), i32), sds((T,), i32), sds((T,), i32), sds((S + 1,), i32),
                                sds((S,), i32), sds((S, self.max_blocks_per_seq), i32),
+                               sds((W,), i32), sds((W,), i32), sds((), i32),
                                block_size=self.block_size)
         smd = SamplingMetadata(sds((S,), f32), sds((S,), i32), sds((S,), f32), sds((S,), f32),
                                sds((S,), jnp.uint32), sds((S,), i32))
@@ -93,7 +130,7 @@ class ModelRunner:
 
     def compile_all(self, progress: bool = True) -> float:
         start = time.perf_counter()
-        todo = [s for s in self.shapes if s not in self._compiled]
+        todo = [s for s in self.shapes.all if s not in self._compiled]
         # XLA compiles outside the GIL, so threads overlap the per-shape compiles
         with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
             futures = {shape: pool.submit(self._compile, *shape) for shape in todo}
@@ -107,88 +144,79 @@ class ModelRunner:
 
     def activation_bytes(self) -> int:
         """Scratch memory of the largest step, measured from its compiled executable."""
-        T, S = self.token_buckets[-1], self.seq_buckets[-1]
+        T, S = self.shapes.all[-1]
         exe = self._compiled.get((T, S)) or self._compile(T, S)
         analysis = exe.memory_analysis()
         return int(getattr(analysis, "temp_size_in_bytes", 0) or 0)
 
     # per-step state
     def _update_states(self, out: SchedulerOutput) -> None:
+        batch = self.batch
         for rid in out.finished_req_ids:
-            self.requests.pop(rid, None)
+            batch.remove(rid)
+            self.sampling.pop(rid, None)
         for new in out.scheduled_new_reqs:
-            p = new.sampling_params
-            self.requests[new.req_id] = CachedRequestState(
-                list(new.token_ids), new.num_prompt_tokens, list(new.block_ids),
-                new.num_computed_tokens, p.temperature, p.top_k, p.top_p, p.min_p, new.seed)
+            batch.add(new.req_id, new.token_ids, new.num_prompt_tokens, new.block_ids,
+                      new.num_computed_tokens)
+            self.sampling[new.req_id] = new.sampling_params, new.seed
         for cached in out.scheduled_cached_reqs:
-            st = self.requests[cached.req_id]
-            st.block_ids.extend(cached.new_block_ids)
-            st.num_computed_tokens = cached.num_computed_tokens
+            row = batch.row_of[cached.req_id]
+            batch.append_blocks(row, cached.new_block_ids)
+            batch.num_computed_tokens[row] = cached.num_computed_tokens
 
     def _prepare(self, out: SchedulerOutput, req_ids: list[str]):
-        states = [self.requests[r] for r in req_ids]
+        """Padded numpy inputs of one step, vectorised over persistent-batch rows."""
+        batch = self.batch
+        rows = np.fromiter((batch.row_of[r] for r in req_ids), np.int32, len(req_ids))
         n = np.fromiter((out.num_scheduled_tokens[r] for r in req_ids), np.int32, len(req_ids))
-        starts = np.fromiter((s.num_computed_tokens for s in states), np.int32, len(states))
+        starts = batch.num_computed_tokens[rows]
         S_real, T_real = len(req_ids), int(n.sum())
-        S = pick(self.seq_buckets, S_real)
-        T = pick(self.token_buckets, max(T_real, S))
-        bs = self.block_size
-
-        qsl = np.zeros(S + 1, np.int32)
-        np.cumsum(n, out=qsl[1:S_real + 1])
-        qsl[S_real + 1:] = T_real
-        seq_ids = np.zeros(T, np.int32)
-        seq_ids[:T_real] = np.repeat(np.arange(S_real, dtype=np.int32), n)
-        positions = np.zeros(T, np.int32)
-        positions[:T_real] = np.arange(T_real, dtype=np.int32) + np.repeat(starts - qsl[:S_real], n)
+        T, S = self.shapes.pick(T_real, S_real)
+        md = attention_metadata(starts, n, batch.block_table[rows], T, S, self.block_size)
+        tok_rows = rows[md.token_seq_ids[:T_real]]
         input_ids = np.zeros(T, np.int32)
-        input_ids[:T_real] = np.concatenate(
-            [st.token_ids[s:s + k] for st, s, k in zip(states, starts, n)])
-        tables = np.full((S, self.max_blocks_per_seq), NULL_BLOCK, np.int32)
-        for i, st in enumerate(states):
-            tables[i, :len(st.block_ids)] = st.block_ids
-        slots = np.full(T, NULL_BLOCK * bs, np.int32)
-        real_pos = positions[:T_real]
-        slots[:T_real] = tables[seq_ids[:T_real], real_pos // bs] * bs + real_pos % bs
-        seq_lens = np.zeros(S, np.int32)
-        seq_lens[:S_real] = starts + n
+        input_ids[:T_real] = batch.token_ids[tok_rows, md.positions[:T_real]]
         logits_idx = np.zeros(S, np.int32)
-        logits_idx[:S_real] = qsl[1:S_real + 1] - 1
+        logits_idx[:S_real] = md.query_start_loc[1:S_real + 1] - 1
 
-        def col(attr, dtype, fill=0):
+        params = [self.sampling[r] for r in req_ids]
+
+        def col(get, dtype, fill=0):
             a = np.full(S, fill, dtype)
-            a[:S_real] = [getattr(st, attr) for st in states]
+            a[:S_real] = [get(p, seed) for p, seed in params]
             return a
 
         gen_index = np.zeros(S, np.int32)
-        gen_index[:S_real] = [len(st.token_ids) - st.num_prompt_tokens for st in states]
-        md = AttentionMetadata(positions, slots, seq_ids, qsl, seq_lens, tables, block_size=bs)
-        smd = SamplingMetadata(col("temperature", np.float32), col("top_k", np.int32),
-                               col("top_p", np.float32, 1.0), col("min_p", np.float32),
-                               col("seed", np.uint32), gen_index)
-        return (T, S), (input_ids, md, logits_idx, smd)
+        gen_index[:S_real] = batch.num_tokens[rows] - batch.num_prompt_tokens[rows]
+        smd = SamplingMetadata(col(lambda p, _: p.temperature, np.float32),
+                               col(lambda p, _: p.top_k, np.int32),
+                               col(lambda p, _: p.top_p, np.float32, 1.0),
+                               col(lambda p, _: p.min_p, np.float32),
+                               col(lambda _, seed: seed, np.uint32), gen_index)
+        return rows, (T, S), (input_ids, md, logits_idx, smd)
 
     def execute_model(self, out: SchedulerOutput) -> dict[str, int]:
         self._update_states(out)
         if out.is_empty:
             return {}
         req_ids = list(out.num_scheduled_tokens)
-        shape, inputs = self._prepare(out, req_ids)
+        rows, shape, inputs = self._prepare(out, req_ids)
         exe = self._compiled.get(shape)
         if exe is None:
             exe = self._compiled[shape] = self._compile(*shape)
+            self.num_compiles_after_warmup += 1
             logger.warning("compiled step shape %s outside warm-up", shape)
         inputs = jax.device_put(inputs)
         tokens, self.kv_cache = exe(self.state, self.kv_cache, *inputs)
         tokens = np.asarray(tokens)
         self.num_steps += 1
+        batch = self.batch
         sampled = {}
         for i, rid in enumerate(req_ids):
-            st = self.requests[rid]
-            st.num_computed_tokens += out.num_scheduled_tokens[rid]
-            if st.num_computed_tokens >= len(st.token_ids):
+            row = rows[i]
+            batch.num_computed_tokens[row] += out.num_scheduled_tokens[rid]
+            if batch.num_computed_tokens[row] >= batch.num_tokens[row]:
                 tok = int(tokens[i])
-                st.token_ids.append(tok)
+                batch.append_token(row, tok)
                 sampled[rid] = tok
         return sampled

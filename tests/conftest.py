@@ -1,0 +1,94 @@
+import os
+
+import tempfile  # noqa: E402
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# one compilation cache for the whole run, so engines of the same shapes compile once
+os.environ.setdefault("JAXLLM_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="jaxllm-xla-"))
+
+import json  # noqa: E402
+
+import pytest  # noqa: E402
+
+from jaxllm.loader.loader import default_model_path, get_tokenizer  # noqa: E402
+
+# Small engine limits keep the number of compiled buckets (and CI time) low.
+SMALL_ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256)
+
+
+@pytest.fixture(scope="session")
+def default_gguf() -> str:
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory, default_gguf):
+    """The default model's tokenizer saved as HF files, for tiny checkpoints to share."""
+    d = tmp_path_factory.mktemp("tokenizer")
+    get_tokenizer(default_gguf).save_pretrained(d)
+    return str(d)
+
+
+def _tiny_config(arch: str, **over):
+    import transformers
+    common = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    common.update(over)
+    cls = {"LlamaForCausalLM": transformers.LlamaConfig, "MistralForCausalLM": transformers.MistralConfig,
+           "Qwen2ForCausalLM": transformers.Qwen2Config, "Qwen3ForCausalLM": transformers.Qwen3Config}[arch]
+    return cls(**common)
+
+
+TINY_VARIANTS = {
+    # llama3 rope scaling, grouped-query attention
+    "llama3": ("LlamaForCausalLM", dict(rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64}, rope_theta=500000.0)),
+    "mistral": ("MistralForCausalLM", dict(sliding_window=None, head_dim=16)),
+    "qwen2": ("Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
+    "qwen3": ("Qwen3ForCausalLM", dict(head_dim=32)),
+}
+
+
+def make_tiny_checkpoint(path, variant: str, tokenizer_dir: str | None = None,
+                         max_shard_size: str | None = None, seed: int = 0):
+    import torch
+    import transformers
+
+    arch, over = TINY_VARIANTS[variant]
+    config = _tiny_config(arch, **over)
+    torch.manual_seed(seed)
+    model = getattr(transformers, arch)(config).to(torch.float32).eval()
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, safe_serialization=True, **kwargs)
+    if tokenizer_dir:
+        for name in os.listdir(tokenizer_dir):
+            with open(os.path.join(tokenizer_dir, name), "rb") as src, \
+                    open(os.path.join(path, name), "wb") as dst:
+                dst.write(src.read())
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory, tokenizer_dir):
+    d = tmp_path_factory.mktemp("tiny_llama")
+    make_tiny_checkpoint(d, "llama3", tokenizer_dir)
+    return str(d)
+
+
+@pytest.fixture(scope="session")
+def tiny_llm(tiny_llama):
+    from jaxllm import LLM
+    return LLM(tiny_llama, **SMALL_ENGINE)
+
+
+@pytest.fixture(scope="session")
+def default_llm():
+    from jaxllm import LLM
+    return LLM(max_num_seqs=16, max_num_batched_tokens=128, max_model_len=512)
+
+
+def read_json(path):
+    with open(path) as f:
+        return json.load(f)

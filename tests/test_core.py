@@ -1,0 +1,166 @@
+"""core/ alone: block pool, KV-cache manager and scheduler, in microseconds."""
+import pytest
+
+from jaxllm.core.block_pool import NULL_BLOCK, BlockPool
+from jaxllm.core.kv_cache_manager import KVCacheManager
+from jaxllm.core.request import Request, RequestStatus
+from jaxllm.core.scheduler import Scheduler
+from jaxllm.sampling_params import SamplingParams
+
+
+def req(rid, n_prompt, max_tokens=4, **kw):
+    return Request(rid, list(range(10, 10 + n_prompt)), SamplingParams(max_tokens=max_tokens, **kw),
+                   eos_token_id=2, seed=0)
+
+
+def make(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, max_model_len=128):
+    kv = KVCacheManager(num_blocks, block_size)
+    return Scheduler(kv, max_num_seqs, budget, max_model_len), kv
+
+
+def run_step(s, token=7):
+    out = s.schedule()
+    sampled = {rid: token for rid in out.num_scheduled_tokens}
+    return out, s.update_from_output(out, sampled)
+
+
+def test_block_pool_refcounts_and_null_block():
+    pool = BlockPool(5)
+    assert pool.num_free_blocks == 4
+    blocks = pool.allocate(4)
+    assert NULL_BLOCK not in blocks and sorted(blocks) == [1, 2, 3, 4]
+    assert pool.allocate(1) is None
+    pool.free(blocks[:2])
+    assert pool.num_free_blocks == 2
+    with pytest.raises(RuntimeError):
+        pool.free([blocks[0]])
+    with pytest.raises(ValueError):
+        BlockPool(1)
+
+
+def test_allocate_slots_grows_by_blocks():
+    kv = KVCacheManager(10, 4)
+    r = req("a", 5)
+    assert len(kv.allocate_slots(r, 5)) == 2
+    r.num_computed_tokens = 5
+    assert kv.allocate_slots(r, 3) == []  # fits in the second block
+    assert len(kv.allocate_slots(r, 4)) == 1
+    kv.free(r)
+    assert kv.num_free_blocks == 9
+
+
+def test_token_budget_and_chunked_prefill():
+    s, kv = make(budget=16)
+    s.add_request(req("long", 40))
+    s.add_request(req("short", 3))
+    out, ups = run_step(s)
+    assert out.num_scheduled_tokens == {"long": 16}
+    assert ups == []  # a partial prefill samples nothing
+    out, _ = run_step(s)
+    assert out.num_scheduled_tokens == {"long": 16}
+    out, ups = run_step(s)
+    # the rest of the long prompt, then the short one fills the budget
+    assert out.num_scheduled_tokens == {"long": 8, "short": 3}
+    assert [u.request.request_id for u in ups] == ["long", "short"]
+    out, _ = run_step(s)
+    assert out.num_scheduled_tokens == {"long": 1, "short": 1}  # both decoding
+
+
+def test_max_num_seqs_limits_running():
+    s, _ = make(max_num_seqs=2)
+    for i in range(4):
+        s.add_request(req(str(i), 2))
+    out, _ = run_step(s)
+    assert set(out.num_scheduled_tokens) == {"0", "1"}
+    assert s.num_waiting == 2
+
+
+def test_preemption_newest_yields_and_resumes():
+    # 6 usable blocks of 4 tokens; two requests of 8 prompt tokens each need 2 blocks, and grow
+    s, kv = make(num_blocks=7, block_size=4, budget=64, max_model_len=24)
+    a, b, c = req("a", 8, max_tokens=12), req("b", 8, max_tokens=12), req("c", 7, max_tokens=12)
+    for r in (a, b, c):
+        s.add_request(r)
+    run_step(s)
+    assert kv.num_free_blocks == 0
+    out, _ = run_step(s)  # a needs a third block: c (newest) is preempted
+    assert c.status == RequestStatus.PREEMPTED and c.num_computed_tokens == 0
+    assert s.num_preemptions >= 1
+    assert "c" in out.finished_req_ids
+    assert s.waiting[0] is c
+    # finishing the others lets c back in, recomputing its prompt and its output so far
+    while s.has_unfinished_requests():
+        out, _ = run_step(s)
+    assert c.num_output_tokens == 12 and a.num_output_tokens == 12
+    assert kv.num_free_blocks == 6
+
+
+def test_stops_on_eos_stop_ids_and_length():
+    s, kv = make()
+    s.add_request(req("eos", 3, max_tokens=10))
+    s.add_request(req("ignore", 3, max_tokens=2, ignore_eos=True))
+    s.add_request(req("stopid", 3, max_tokens=10, stop_token_ids=[2]))
+    s.add_request(req("minimum", 3, max_tokens=10, min_tokens=2))
+    run_step(s, token=2)
+    assert s.num_running == 2  # "ignore" and "minimum" go on
+    assert set(r.request_id for r in s.running) == {"ignore", "minimum"}
+    run_step(s, token=2)
+    assert s.num_running == 0
+    assert kv.num_free_blocks == 63
+
+
+def test_pool_must_hold_one_max_len_request():
+    with pytest.raises(ValueError, match="max_model_len"):
+        make(num_blocks=5, block_size=4, max_model_len=17)
+
+
+def test_finish_reason_and_max_model_len():
+    s, kv = make(max_model_len=6)
+    r = req("r", 4, max_tokens=None)
+    s.add_request(r)
+    while s.has_unfinished_requests():
+        run_step(s)
+    assert r.num_tokens == 6 and r.finish_reason == "length"
+
+
+def test_abort_frees_blocks_everywhere():
+    s, kv = make(max_num_seqs=1)
+    a, b = req("a", 9), req("b", 9)
+    s.add_request(a)
+    s.add_request(b)
+    run_step(s)
+    s.finish_requests(["a", "b", "unknown"], RequestStatus.FINISHED_ABORTED)
+    assert not s.has_unfinished_requests()
+    assert kv.num_free_blocks == 63
+    out = s.schedule()
+    assert out.is_empty and {"a", "b"} <= out.finished_req_ids
+
+
+def test_duplicate_request_id_rejected():
+    s, _ = make()
+    s.add_request(req("x", 2))
+    with pytest.raises(ValueError, match="request_id"):
+        s.add_request(req("x", 2))
+
+
+def test_new_requests_sent_in_full_once_then_as_diffs():
+    s, _ = make(block_size=4)
+    s.add_request(req("a", 5))
+    out, _ = run_step(s)
+    assert [n.req_id for n in out.scheduled_new_reqs] == ["a"]
+    assert out.scheduled_new_reqs[0].block_ids and not out.scheduled_cached_reqs
+    out, _ = run_step(s)
+    assert not out.scheduled_new_reqs
+    assert out.scheduled_cached_reqs[0].num_computed_tokens == 5
+
+
+def test_step_shapes_cover_every_batch():
+    from jaxllm.runner.buckets import StepShapes, make_buckets
+    assert make_buckets(16, 8192, linear_from=1024) == [16, 32, 64, 128, 256, 512, 1024, 2048,
+                                                        3072, 4096, 5120, 6144, 7168, 8192]
+    shapes = StepShapes(make_buckets(16, 512), make_buckets(1, 64))
+    assert len(shapes.all) < 20
+    for tokens in range(1, 513):
+        for seqs in range(1, min(tokens, 64) + 1):
+            t, s = shapes.pick(tokens, seqs)
+            assert (t, s) in shapes.all and t >= tokens and s >= seqs and s <= t

@@ -1,0 +1,228 @@
+"""The engine end to end: parity with HF, continuous batching, preemption, chunked prefill,
+no leaks, no recompilation, bad input."""
+import jax
+import numpy as np
+import pytest
+
+from conftest import SMALL_ENGINE
+from jaxllm import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+
+PROMPTS = [
+    "Hi",
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away, there lived a",
+    "List three colours:\n1.",
+    "Explain in one sentence why the sky is blue. The sky is blue because",
+    "Translate to French: 'good morning' ->",
+    "In 1969 the first humans walked on the Moon. The mission was called Apollo 11, and "
+    "the astronauts who landed were Neil Armstrong and",
+]
+
+
+def hf_greedy(model_path: str, prompt_ids: list[list[int]], max_new: int) -> list[list[int]]:
+    import os
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    kwargs = dict(dtype=torch.float32)
+    if model_path.endswith(".gguf"):
+        kwargs["gguf_file"] = os.path.basename(model_path)
+        model_path = os.path.dirname(model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs).eval()
+    # as ignore_eos: EOS neither stops generation nor is suppressed
+    model.generation_config.eos_token_id = None
+    outs = []
+    with torch.no_grad():
+        for ids in prompt_ids:
+            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 do_sample=False, max_new_tokens=max_new, pad_token_id=0)
+            outs.append(out[0, len(ids):].tolist())
+    return outs
+
+
+def token_ids(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.mark.slow
+def test_default_model_greedy_parity_with_hf(default_llm, default_gguf):
+    outs = default_llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    prompt_ids = [o.prompt_token_ids for o in outs]
+    assert len({len(p) for p in prompt_ids}) >= 6  # the prompts really differ in length
+    ref = hf_greedy(default_gguf, prompt_ids, 32)
+    for prompt, got, want in zip(PROMPTS, token_ids(outs), ref):
+        assert got == want, f"{prompt!r}: {got} != {want}"
+    # the text is the detokenized ids
+    tok = default_llm.get_tokenizer()
+    assert outs[1].outputs[0].text == tok.decode(outs[1].outputs[0].token_ids, skip_special_tokens=True)
+
+
+def test_request_output_shape(tiny_llm):
+    out = tiny_llm.generate("Hello there", SamplingParams(temperature=0.0, max_tokens=5), use_tqdm=False)[0]
+    assert out.finished and out.prompt == "Hello there"
+    assert out.prompt_token_ids == tiny_llm.get_tokenizer().encode("Hello there")
+    c = out.outputs[0]
+    assert c.index == 0 and len(c.token_ids) == 5 and c.finish_reason == "length"
+    m = out.metrics
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+
+
+def test_token_id_prompts_and_dicts(tiny_llm):
+    ids = tiny_llm.get_tokenizer().encode("a b c d")
+    p = SamplingParams(temperature=0.0, max_tokens=6)
+    a, b, c = tiny_llm.generate([ids, {"prompt_token_ids": ids}, "a b c d"], p, use_tqdm=False)
+    assert a.prompt is None and a.prompt_token_ids == ids
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids == c.outputs[0].token_ids
+
+
+def _alone(llm, prompts, params):
+    return [token_ids(llm.generate([p], params, use_tqdm=False))[0] for p in prompts]
+
+
+def test_continuous_batching_staggered_arrivals(tiny_llm):
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(10, 40000, size=n).tolist() for n in (5, 33, 12, 70, 1, 18)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    alone = _alone(tiny_llm, prompts, params)
+
+    engine = tiny_llm.llm_engine
+    got, step = {}, 0
+    pending = list(enumerate(prompts))
+    while pending or engine.has_unfinished_requests():
+        if pending and step % 3 == 0:  # a new request joins every third step
+            i, p = pending.pop(0)
+            engine.add_request(f"stagger-{i}", p, params)
+        for out in engine.step():
+            if out.finished:
+                got[int(out.request_id.split("-")[1])] = out.outputs[0].token_ids
+        step += 1
+    assert [got[i] for i in range(len(prompts))] == alone
+
+
+def test_preemption_gives_same_outputs(tiny_llama, tiny_llm):
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(10, 40000, size=40).tolist() for _ in range(8)]
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    big = token_ids(tiny_llm.generate(prompts, params, use_tqdm=False))
+    # 16 usable blocks of 16 tokens hold 256 tokens; the 8 requests need 8 * 70
+    small = LLM(tiny_llama, num_gpu_blocks_override=17, **SMALL_ENGINE)
+    outs = small.generate(prompts, params, use_tqdm=False)
+    assert token_ids(outs) == big
+    assert small.llm_engine.num_preemptions > 0
+    assert sum(o.metrics.num_preemptions for o in outs) > 0
+    kv = small.llm_engine.kv_manager
+    assert kv.num_free_blocks == kv.pool.num_usable_blocks
+
+
+def test_chunked_prefill_matches_one_shot(tiny_llama, tiny_llm):
+    rng = np.random.default_rng(3)
+    long_prompt = rng.integers(10, 40000, size=200).tolist()  # budget is 64 tokens a step
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    chunked = tiny_llm.generate([long_prompt], params, use_tqdm=False)
+    one_shot = LLM(tiny_llama, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=256)
+    assert token_ids(chunked) == token_ids(one_shot.generate([long_prompt], params, use_tqdm=False))
+
+
+def test_no_leak_after_finish_and_abort(tiny_llm):
+    engine = tiny_llm.llm_engine
+    kv = engine.kv_manager
+    rng = np.random.default_rng(4)
+    for i in range(6):
+        engine.add_request(f"leak-{i}", rng.integers(10, 40000, size=30 + 7 * i).tolist(),
+                           SamplingParams(max_tokens=50, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    assert kv.num_free_blocks < kv.pool.num_usable_blocks
+    engine.abort_request(["leak-0", "leak-3"])
+    while engine.has_unfinished_requests():
+        engine.step()
+        if "leak-5" in engine._parents:
+            engine.abort_request("leak-5")
+    assert kv.num_free_blocks == kv.pool.num_usable_blocks
+    assert len(engine.runner.batch) == 0 or not engine.scheduler.has_unfinished_requests()
+
+
+def test_no_recompilation_after_warmup(tiny_llm):
+    compiles = []
+
+    def listener(event, duration, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    engine = tiny_llm.llm_engine
+    before = engine.runner.num_compiles_after_warmup
+    rng = np.random.default_rng(5)
+    try:
+        for round_ in range(3):
+            n = int(rng.integers(1, 9))
+            prompts = [rng.integers(10, 40000, size=int(rng.integers(1, 120))).tolist() for _ in range(n)]
+            params = [SamplingParams(temperature=float(rng.choice([0.0, 0.8])), top_k=int(rng.integers(0, 50)),
+                                     top_p=float(rng.uniform(0.5, 1.0)), seed=int(rng.integers(0, 1000)),
+                                     max_tokens=int(rng.integers(1, 20))) for _ in range(n)]
+            tiny_llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        jax.monitoring.clear_event_listeners()
+    assert engine.runner.num_compiles_after_warmup == before
+    assert compiles == []
+
+
+def test_bad_input_is_rejected_and_engine_keeps_serving(tiny_llm):
+    engine = tiny_llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    expected = token_ids(tiny_llm.generate(["good prompt"], params, use_tqdm=False))[0]
+    engine.add_request("good", "good prompt", params)
+    engine.step()
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request("empty", "", params)
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request("empty-ids", {"prompt_token_ids": []}, params)
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.add_request("long", list(range(10, 10 + 300)), params)
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.add_request("long-out", "a prompt", SamplingParams(max_tokens=1000))
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match="vocabulary"):
+        engine.add_request("oov", [10**7], params)
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("good", "again", params)
+    with pytest.raises(ValueError):
+        tiny_llm.generate(["fine", ""], params, use_tqdm=False)  # nothing runs
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.finished]
+    assert [o.request_id for o in outs] == ["good"]
+    assert outs[0].outputs[0].token_ids == expected
+
+
+def test_sampling_seed_reproducible_and_stops(tiny_llm):
+    tok = tiny_llm.get_tokenizer()
+    p = SamplingParams(temperature=1.0, top_p=0.9, top_k=40, seed=123, max_tokens=16, ignore_eos=True)
+    a = token_ids(tiny_llm.generate(["x y z"], p, use_tqdm=False))[0]
+    # the same seed in a different batch draws the same tokens
+    batch = tiny_llm.generate(["other prompt", "x y z", "more"], p, use_tqdm=False)
+    assert token_ids(batch)[1] == a
+    other = token_ids(tiny_llm.generate(["x y z"], SamplingParams(
+        temperature=1.0, seed=124, max_tokens=16, ignore_eos=True), use_tqdm=False))[0]
+    assert other != a
+    # stop_token_ids end the request on the chosen token and report it
+    stop_at = a[5]
+    out = tiny_llm.generate(["x y z"], SamplingParams(
+        temperature=1.0, top_p=0.9, top_k=40, seed=123, max_tokens=16, ignore_eos=True,
+        stop_token_ids=[stop_at]), use_tqdm=False)[0].outputs[0]
+    first = a.index(stop_at)
+    assert out.token_ids == a[:first + 1] and out.finish_reason == "stop" and out.stop_reason == stop_at
+    assert tok is not None
+
+
+def test_chat_uses_template(default_llm):
+    tok = default_llm.get_tokenizer()
+    messages = [{"role": "user", "content": "What is 2+2?"}]
+    out = default_llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)[0]
+    want = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert out.prompt == want and "<|im_start|>assistant" in want
+    assert len(out.outputs[0].token_ids) >= 1
