@@ -31,6 +31,10 @@ class EngineConfig:
     # scheduler; None picks a default for the platform in resolve()
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"      # or "priority": lower `priority` values first
+    preemption_mode: str = "recompute"   # or "swap": blocks go to host memory and back
+    swap_space: float = 4.0              # GiB of host memory for swapped blocks
     # compilation
     compilation_cache_dir: str | None = field(
         default_factory=lambda: os.environ.get(
@@ -52,6 +56,12 @@ class EngineConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if not self.swap_space >= 0:
+            raise ValueError(f"swap_space must be non-negative (GiB), got {self.swap_space}")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
             raise ValueError("num_gpu_blocks_override must be at least 2 (one is the null block)")
 

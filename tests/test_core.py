@@ -13,9 +13,10 @@ def req(rid, n_prompt, max_tokens=4, **kw):
                    eos_token_id=2, seed=0)
 
 
-def make(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, max_model_len=128):
-    kv = KVCacheManager(num_blocks, block_size)
-    return Scheduler(kv, max_num_seqs, budget, max_model_len), kv
+def make(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, max_model_len=128,
+         caching=False, **kw):
+    kv = KVCacheManager(num_blocks, block_size, caching, kw.pop("host_blocks", 0))
+    return Scheduler(kv, max_num_seqs, budget, max_model_len, **kw), kv
 
 
 def run_step(s, token=7):

@@ -12,10 +12,11 @@ if TYPE_CHECKING:
 class RequestStatus(enum.IntEnum):
     WAITING = 0
     RUNNING = 1
-    PREEMPTED = 2
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH = 4
-    FINISHED_ABORTED = 5
+    PREEMPTED = 2  # recompute: waits with no blocks
+    SWAPPED = 3    # swap: waits with its blocks in host memory
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH = 5
+    FINISHED_ABORTED = 6
 
     @property
     def finished(self) -> bool:
@@ -32,7 +33,8 @@ FINISH_REASONS = {
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: "SamplingParams", eos_token_id: int | None,
-                 seed: int, arrival_time: float | None = None):
+                 seed: int, arrival_time: float | None = None, priority: int = 0,
+                 cache_salt: str | None = None, lora_id: int | None = None):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -41,6 +43,12 @@ class Request:
         # tokens whatever shares its batch.
         self.seed = seed
         self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.priority = priority
+        # keys mixed into the first block's hash: requests differing here never share blocks
+        self.cache_extra = (cache_salt, lora_id) if (cache_salt or lora_id) else None
+        self.block_hashes: list = []  # prefix-cache keys of this request's full blocks
+        self.num_cached_tokens = -1   # prompt tokens found in the prefix cache (-1: not yet looked)
+        self.forks: list[Request] = []  # n > 1: siblings that share this request's prompt blocks
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []
         self.all_token_ids = list(prompt_token_ids)

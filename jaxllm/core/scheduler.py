@@ -1,11 +1,12 @@
 """One token budget per step; no prefill phase and no decode phase.
 
 Each request has `num_computed_tokens` and `num_tokens`; every step hands tokens out so that
-requests catch up. Chunked prefill (a prompt larger than the budget), decode (one new token)
-and resumption after preemption all fall out of the same loop.
+requests catch up. Chunked prefill (a prompt larger than the budget), prefix-cache hits,
+decode (one new token) and resumption after preemption all fall out of the same loop.
 """
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -15,6 +16,9 @@ from jaxllm.core.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from jaxllm.sampling_params import SamplingParams
+
+POLICIES = ("fcfs", "priority")
+PREEMPTION_MODES = ("recompute", "swap")
 
 
 @dataclass
@@ -45,10 +49,18 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     # requests whose runner-side state must be dropped (finished, aborted or preempted)
     finished_req_ids: set[str] = field(default_factory=set)
+    # block moves the runner does before the step, in this order
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)   # (host, device)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)      # (src, dst)
 
     @property
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
+
+    @property
+    def has_block_ops(self) -> bool:
+        return bool(self.blocks_to_swap_out or self.blocks_to_swap_in or self.blocks_to_copy)
 
 
 @dataclass
@@ -59,29 +71,58 @@ class RequestUpdate:
 
 class Scheduler:
     def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_model_len: int):
+                 max_num_batched_tokens: int, max_model_len: int, policy: str = "fcfs",
+                 preemption_mode: str = "recompute"):
         capacity = kv_cache_manager.pool.num_usable_blocks * kv_cache_manager.block_size
         if capacity < max_model_len:
             # otherwise a lone request could outgrow the pool and wait for blocks forever
             raise ValueError(f"the KV cache holds {capacity} tokens, fewer than max_model_len "
                              f"({max_model_len}); raise the KV-cache memory or lower max_model_len")
+        if policy not in POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {POLICIES}, got {policy!r}")
+        if preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {preemption_mode!r}")
         self.kv = kv_cache_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
+        self.policy = policy
+        self.preemption_mode = preemption_mode
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self._held: dict[str, Request] = {}  # n > 1 siblings waiting for their leader's prompt
         self._finished_ids: set[str] = set()
         self._known_to_runner: set[str] = set()
+        self._pending_copies: list[tuple[int, int]] = []
         self.num_preemptions = 0
+        self.num_swaps = 0
+
+    def _order(self, req: Request):
+        return (req.priority, req.arrival_time) if self.policy == "priority" else (req.arrival_time,)
 
     # queue management
-    def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
-            raise ValueError(f"request_id {request.request_id!r} is already in use")
+    def add_request(self, request: Request, siblings: list[Request] = ()) -> None:
+        """Queue a request. `siblings` (parallel sampling) share its prompt: they start once
+        it has computed the prompt, from its blocks."""
+        for req in (request, *siblings):
+            if req.request_id in self.requests:
+                raise ValueError(f"request_id {req.request_id!r} is already in use")
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        for sib in siblings:
+            self.requests[sib.request_id] = sib
+            self._held[sib.request_id] = sib
+        request.forks = list(siblings)
+        self._enqueue(request)
+
+    def _enqueue(self, request: Request, front: bool = False) -> None:
+        if self.policy == "priority":
+            keys = [self._order(r) for r in self.waiting]
+            self.waiting.insert(bisect.bisect_right(keys, self._order(request)), request)
+        elif front:
+            self.waiting.appendleft(request)
+        else:
+            self.waiting.append(request)
 
     def finish_requests(self, request_ids, status: RequestStatus) -> list[Request]:
         finished = []
@@ -89,7 +130,9 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is None or req.status.finished:
                 continue
-            if req.status == RequestStatus.RUNNING:
+            if rid in self._held:
+                del self._held[rid]
+            elif req in self.running:
                 self.running.remove(req)
             else:
                 self.waiting.remove(req)
@@ -98,17 +141,22 @@ class Scheduler:
         return finished
 
     def _free(self, req: Request, status: RequestStatus) -> None:
+        # siblings still waiting for this request's prompt now compute it themselves
+        for sib in req.forks:
+            if self._held.pop(sib.request_id, None) is not None:
+                self._enqueue(sib, front=True)
+        req.forks = []
         req.status = status
         self.kv.free(req)
         del self.requests[req.request_id]
         self._finished_ids.add(req.request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._held)
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + len(self._held)
 
     @property
     def num_running(self) -> int:
@@ -120,8 +168,12 @@ class Scheduler:
         num_scheduled: dict[str, int] = {}
         new_blocks: dict[str, list[int]] = {}
         preempted: list[Request] = []
+        swap_out: list[tuple[int, int]] = []
+        swap_in: list[tuple[int, int]] = []
+        if self.policy == "priority":
+            self.running.sort(key=self._order)
 
-        # running requests first, oldest first
+        # running requests first, most important first; the least important yields blocks
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -130,11 +182,13 @@ class Scheduler:
                 blocks = self.kv.allocate_slots(req, num_new)
                 if blocks is not None:
                     break
-                # Out of blocks: the newest running request yields and is recomputed later.
+                if self._release_waiting_blocks():
+                    continue
+                # Out of blocks: the last running request (never one scheduled earlier in this
+                # step) is preempted, swapped to host memory or left to recompute later.
                 victim = self.running.pop()
-                self._preempt(victim)
+                swap_out += self._preempt(victim)
                 preempted.append(victim)
-                num_scheduled.pop(victim.request_id, None)
                 if victim is req:
                     break
             if blocks is None:
@@ -144,14 +198,30 @@ class Scheduler:
             budget -= num_new
             i += 1
 
-        # then waiting requests, in arrival order, unless this step already had to preempt
+        # then waiting requests, in order, unless this step already had to preempt
         while (self.waiting and not preempted and budget > 0
                and len(self.running) < self.max_num_seqs):
             req = self.waiting[0]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            blocks = self.kv.allocate_slots(req, num_new)
-            if blocks is None:
-                break
+            if req.status == RequestStatus.SWAPPED:
+                num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+                got = self.kv.swap_in(req, num_new)
+                if got is None:
+                    break
+                blocks, pairs = got
+                swap_in += pairs
+            else:
+                computed, num_hit = [], 0
+                if req.num_computed_tokens == 0:
+                    computed, num_hit = self.kv.get_computed_blocks(req)
+                num_new = min(req.num_tokens - req.num_computed_tokens - num_hit, budget)
+                blocks = self.kv.allocate_slots(req, num_new, computed)
+                if blocks is None and self._release_waiting_blocks(req):
+                    continue  # look again: the release may have dropped this one's hits too
+                if blocks is None:
+                    break
+                if req.num_cached_tokens < 0:
+                    req.num_cached_tokens = num_hit
+                req.num_computed_tokens += num_hit
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -175,28 +245,51 @@ class Scheduler:
         finished = self._finished_ids | {r.request_id for r in preempted}
         self._known_to_runner -= finished
         self._finished_ids = set()
+        copies, self._pending_copies = self._pending_copies, []
         return SchedulerOutput(new_reqs, cached_reqs, num_scheduled,
-                               sum(num_scheduled.values()), finished)
+                               sum(num_scheduled.values()), finished, swap_out, swap_in, copies)
 
-    def _preempt(self, req: Request) -> None:
-        self.kv.free(req)
-        req.status = RequestStatus.PREEMPTED
-        req.num_computed_tokens = 0
+    def _release_waiting_blocks(self, keep: Request | None = None) -> bool:
+        """Forked siblings wait holding their blocks; under memory pressure they give them
+        back and will recompute their prompt, before anything running is preempted."""
+        released = False
+        for req in self.waiting:
+            if req is not keep and req.status == RequestStatus.WAITING and self.kv.get_blocks(req.request_id):
+                self.kv.free(req)
+                req.num_computed_tokens = 0
+                req.num_cached_tokens = -1
+                released = True
+        return released
+
+    def _preempt(self, req: Request) -> list[tuple[int, int]]:
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        pairs = self.kv.swap_out(req) if self.preemption_mode == "swap" else None
+        if pairs is not None:
+            req.status = RequestStatus.SWAPPED
+            self.num_swaps += 1
+        else:  # recompute (or the swap space is full)
+            self.kv.free(req)
+            req.status = RequestStatus.PREEMPTED
+            req.num_computed_tokens = 0
+            pairs = []
+        self._enqueue(req, front=True)
+        return pairs
 
     def update_from_output(self, out: SchedulerOutput,
                            sampled: dict[str, int]) -> list[RequestUpdate]:
         """Advance computed counts, append sampled tokens, finish on EOS / stop ids / length."""
+        self.kv.end_step()
         updates = []
         for rid, n in out.num_scheduled_tokens.items():
             req = self.requests.get(rid)
-            if req is None:  # aborted while the step ran
+            if req is None or req.status != RequestStatus.RUNNING:  # aborted while it ran
                 continue
             req.num_computed_tokens += n
             if req.num_computed_tokens < req.num_tokens:
                 continue  # a prefill chunk: its sampled token is not the next one
+            if req.forks:
+                self._fork(req)
             token = sampled[rid]
             req.append_output_token(token)
             updates.append(RequestUpdate(req, [token]))
@@ -205,6 +298,20 @@ class Scheduler:
                 self.running.remove(req)
                 self._free(req, status)
         return updates
+
+    def _fork(self, leader: Request) -> None:
+        """The leader has computed its prompt: its siblings start from its blocks."""
+        for sib in leader.forks:
+            if self._held.pop(sib.request_id, None) is None:
+                continue  # aborted meanwhile
+            got = self.kv.fork(leader, sib)
+            if got is not None:
+                sib.num_cached_tokens = sib.num_computed_tokens
+                if got[1] is not None:
+                    self._pending_copies.append(got[1])
+            # with no free block the sibling recomputes its prompt like any new request
+            self._enqueue(sib, front=True)
+        leader.forks = []
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         params = req.sampling_params

@@ -78,11 +78,18 @@ class LLMEngine:
         bs = config.block_size
         per_block = kv_bytes_per_block(self.arch, bs, self.dtype)
         num_blocks = self._num_blocks(platform, per_block, loaded)
-        self.kv_manager = KVCacheManager(num_blocks, bs)
+        num_host_blocks = 0
+        if config.preemption_mode == "swap":
+            num_host_blocks = int(config.swap_space * 2**30) // per_block
+            logger.info("swap space: %d host blocks (%.2f GiB)", num_host_blocks, config.swap_space)
+        self.kv_manager = KVCacheManager(num_blocks, bs, config.enable_prefix_caching,
+                                         num_host_blocks)
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs,
-                                   config.max_num_batched_tokens, config.max_model_len)
+                                   config.max_num_batched_tokens, config.max_model_len,
+                                   config.scheduling_policy, config.preemption_mode)
         self.runner = ModelRunner(loaded, self.dtype, num_blocks, bs, config.max_model_len,
-                                  config.max_num_seqs, config.max_num_batched_tokens)
+                                  config.max_num_seqs, config.max_num_batched_tokens,
+                                  num_host_blocks)
         if config.warmup:
             secs = self.runner.compile_all()
             logger.info("compiled %d step shapes in %.1f s", len(self.runner.shapes.all), secs)
@@ -168,29 +175,40 @@ class LLMEngine:
         return text, ids, params
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, priority: int = 0) -> None:
+        """Queue a request. `prompt` is a string, a list of token ids, or a dict with
+        "prompt" or "prompt_token_ids" (and optionally "cache_salt")."""
         params = params or SamplingParams()
+        if not isinstance(request_id, str):
+            raise ValueError(f"request_id must be a string, got {type(request_id).__name__}")
         if request_id in self._parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise ValueError(f"priority={priority} needs scheduling_policy='priority'")
         text, ids, params = self.validate_request(prompt, params)
+        cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError("cache_salt must be a string")
         arrival = time.time() if arrival_time is None else arrival_time
-        children = []
+        reqs = []
         for i in range(params.n):
             child_id = request_id if params.n == 1 else f"{i}_{request_id}"
             if params.seed is not None:
                 seed = (params.seed + i) & 0xFFFFFFFF
             else:
                 seed = int(self._rng.integers(0, 2**32))
-            req = Request(child_id, ids, params, self.eos_token_id, seed, arrival)
+            req = Request(child_id, ids, params, self.eos_token_id, seed, arrival,
+                          priority=priority, cache_salt=cache_salt)
             detok = None
             if params.detokenize and self.tokenizer is not None:
                 detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens,
                                                params.stop_strings, params.include_stop_str_in_output)
             self._children[child_id] = _Child(req, request_id, i, detok)
-            children.append(child_id)
-        self._parents[request_id] = _Parent(request_id, text, ids, children, RequestMetrics(arrival))
-        for cid in children:
-            self.scheduler.add_request(self._children[cid].request)
+            reqs.append(req)
+        self._parents[request_id] = _Parent(request_id, text, ids, [r.request_id for r in reqs],
+                                            RequestMetrics(arrival))
+        # siblings of a parallel-sampling request start from the first one's prompt blocks
+        self.scheduler.add_request(reqs[0], reqs[1:])
 
     def abort_request(self, request_id) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
@@ -237,6 +255,7 @@ class LLMEngine:
 
     def _make_output(self, parent_id: str) -> RequestOutput:
         parent = self._parents[parent_id]
+        cached = max(self._children[parent.children[0]].request.num_cached_tokens, 0)
         outputs = []
         finished = True
         for cid in parent.children:
@@ -254,7 +273,7 @@ class LLMEngine:
             for cid in parent.children:
                 del self._children[cid]
         return RequestOutput(parent_id, parent.prompt, parent.prompt_token_ids, outputs, finished,
-                             dataclasses.replace(parent.metrics))
+                             dataclasses.replace(parent.metrics), cached)
 
     # introspection
     @property

@@ -20,6 +20,7 @@ from jaxllm.core.block_pool import NULL_BLOCK
 from jaxllm.core.kv_cache_manager import cdiv
 from jaxllm.core.scheduler import SchedulerOutput
 from jaxllm.layers.attention import AttentionMetadata, kv_chunk, max_tiles, q_tile_size
+from jaxllm.runner.block_ops import BlockOps
 from jaxllm.runner.buckets import StepShapes, make_buckets
 from jaxllm.runner.input_batch import InputBatch
 from jaxllm.runner.sampler import SamplingMetadata, sample
@@ -84,7 +85,7 @@ def attention_metadata(starts: np.ndarray, n: np.ndarray, tables: np.ndarray, T:
 
 class ModelRunner:
     def __init__(self, loaded, dtype, num_blocks: int, block_size: int, max_model_len: int,
-                 max_num_seqs: int, max_num_batched_tokens: int):
+                 max_num_seqs: int, max_num_batched_tokens: int, num_host_blocks: int = 0):
         self.arch = loaded.arch
         self.graphdef = loaded.graphdef
         self.state = loaded.state
@@ -96,6 +97,7 @@ class ModelRunner:
             make_buckets(min(16, max_num_batched_tokens), max_num_batched_tokens, linear_from=1024),
             make_buckets(1, max_num_seqs))
         self.kv_cache = jnp.zeros(kv_cache_shape(self.arch, num_blocks, block_size), dtype)
+        self.block_ops = BlockOps(self.kv_cache.shape, dtype, block_size, num_host_blocks)
         self.batch = InputBatch(max_num_seqs, max_model_len, self.max_blocks_per_seq)
         self.sampling: dict[str, tuple] = {}  # req_id -> (SamplingParams, seed)
         self._compiled: dict[tuple[int, int], object] = {}
@@ -130,6 +132,7 @@ class ModelRunner:
 
     def compile_all(self, progress: bool = True) -> float:
         start = time.perf_counter()
+        self.block_ops.compile()
         todo = [s for s in self.shapes.all if s not in self._compiled]
         # XLA compiles outside the GIL, so threads overlap the per-shape compiles
         with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
@@ -196,6 +199,12 @@ class ModelRunner:
         return rows, (T, S), (input_ids, md, logits_idx, smd)
 
     def execute_model(self, out: SchedulerOutput) -> dict[str, int]:
+        if out.has_block_ops:
+            # swap-outs first: their device blocks may be handed out again in this very step
+            ops = self.block_ops
+            self.kv_cache = ops.swap_out(self.kv_cache, out.blocks_to_swap_out)
+            self.kv_cache = ops.swap_in(self.kv_cache, out.blocks_to_swap_in)
+            self.kv_cache = ops.copy(self.kv_cache, out.blocks_to_copy)
         self._update_states(out)
         if out.is_empty:
             return {}
