@@ -1,52 +1,117 @@
-"""Offline throughput: jaxllm against HF transformers' static-batch `generate`, same prompts."""
+"""`jaxllm bench throughput`: offline throughput through the Python API, with baselines measured
+in the same run: HF transformers' static-batch `generate` on the same prompts, and jaxllm
+with prefix caching off."""
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
+import gc
 import os
-import platform
-import shlex
-import sys
 import time
 
 import numpy as np
 
+from benchmarks import datasets
+from benchmarks.common import percentiles, write_result
+
 
 def add_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload")
+    g.add_argument("--dataset-name", default="random", choices=datasets.DATASETS)
+    g.add_argument("--dataset-path", default=None, help="ShareGPT-format JSON (with sharegpt)")
     g.add_argument("--num-prompts", type=int, default=64)
-    g.add_argument("--input-len", type=int, default=128)
-    g.add_argument("--output-len", type=int, default=128)
+    g.add_argument("--input-len", "--random-input-len", dest="input_len", type=int, default=128)
+    g.add_argument("--output-len", "--random-output-len", dest="output_len", type=int, default=128)
+    g.add_argument("--random-range-ratio", type=float, default=0.0)
+    g.add_argument("--num-turns", type=int, default=4, help="prefix-chat: turns per conversation")
+    g.add_argument("--system-len", type=int, default=256, help="prefix-chat: shared system prompt")
     g.add_argument("--workload-seed", type=int, default=0)
-    g.add_argument("--hf-batch-size", type=int, default=None,
-                   help="static batch size for the HF baseline (default: all prompts at once)")
-    g.add_argument("--no-hf-baseline", action="store_true")
-    g.add_argument("--results-dir", default=os.environ.get("OUT") or "benchmarks/results")
-    g.add_argument("--tag", default=None, help="name of the result files")
+    b = p.add_argument_group("baselines")
+    b.add_argument("--hf-baseline", action=argparse.BooleanOptionalAction, default=True,
+                   help="HF transformers static-batch generate on the same prompts")
+    b.add_argument("--hf-batch-size", type=int, default=None,
+                   help="static batch size for HF (default: all prompts of a round at once)")
+    b.add_argument("--prefix-caching-baseline", action=argparse.BooleanOptionalAction,
+                   default=None, help="also run jaxllm with prefix caching off "
+                   "(default: on for prefix-chat)")
+    o = p.add_argument_group("output")
+    o.add_argument("--results-dir", default=os.environ.get("OUT") or "benchmarks/results")
+    o.add_argument("--tag", default=None, help="name of the result file")
 
 
-def random_prompts(n: int, length: int, vocab: int, seed: int, avoid: set[int]) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(n):
-        ids = rng.integers(100, vocab, size=length).tolist()
-        out.append([t if t not in avoid else 100 for t in ids])
-    return out
+def make_rounds(args, engine) -> tuple[list, object]:
+    """The workload as rounds of samples; prefix-chat has one round per turn (filled in as
+    replies come), the others a single round."""
+    tok = engine.tokenizer
+    avoid = set(getattr(tok, "all_special_ids", []) or []) if tok is not None else set()
+    src = datasets.TokenSource(engine.arch.vocab_size, avoid, args.workload_seed)
+    max_len = engine.config.max_model_len
+    if args.dataset_name == "random":
+        return [datasets.random_dataset(src, args.num_prompts, args.input_len, args.output_len,
+                                        args.random_range_ratio)], None
+    if args.dataset_name == "sharegpt":
+        if args.dataset_path:
+            return [datasets.sharegpt_file(args.dataset_path, tok, args.num_prompts, max_len,
+                                           args.workload_seed)], None
+        return [datasets.sharegpt_like(src, args.num_prompts, max_len)], None
+    chat = datasets.prefix_chat(src, args.num_prompts, args.num_turns, args.system_len,
+                                args.input_len, args.output_len)
+    return [], chat
 
 
-def run_jaxllm(llm, prompts, output_len: int) -> dict:
+def _chat_rounds(chat, generate_round):
+    """Runs the turns of a chat workload; generate_round(samples) -> list of reply token ids."""
+    history = [list(chat.system) for _ in chat.user_turns]
+    for t in range(chat.num_turns):
+        samples = []
+        for c, users in enumerate(chat.user_turns):
+            history[c] += users[t]
+            samples.append(datasets.Sample(list(history[c]), chat.output_len))
+        for c, reply in enumerate(generate_round(samples)):
+            history[c] += reply
+
+
+def run_jaxllm(llm, rounds, chat) -> dict:
     from jaxllm import SamplingParams
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+
+    ttft, e2e, n_in, n_out, cached = [], [], 0, 0, 0
+
+    def generate_round(samples):
+        nonlocal n_in, n_out, cached
+        params = [SamplingParams(temperature=0.0, max_tokens=s.output_len, ignore_eos=True)
+                  for s in samples]
+        outs = llm.generate([{"prompt_token_ids": s.prompt_token_ids} for s in samples], params,
+                            use_tqdm=False)
+        for o in outs:
+            m = o.metrics
+            ttft.append(m.first_token_time - m.arrival_time)
+            e2e.append(m.finished_time - m.arrival_time)
+            n_in += len(o.prompt_token_ids)
+            n_out += len(o.outputs[0].token_ids)
+            cached += o.num_cached_tokens
+        return [o.outputs[0].token_ids for o in outs]
+
+    engine = llm.llm_engine
+    steps0 = engine.runner.num_steps
     start = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    if chat is not None:
+        _chat_rounds(chat, generate_round)
+    else:
+        for samples in rounds:
+            generate_round(samples)
     secs = time.perf_counter() - start
-    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"seconds": secs, "requests_per_s": len(prompts) / secs, "output_tokens_per_s": n_out / secs,
-            "output_tokens": n_out, "preemptions": llm.llm_engine.num_preemptions}
+    return {
+        "seconds": secs, "requests": len(ttft), "requests_per_s": len(ttft) / secs,
+        "output_tokens": n_out, "output_tokens_per_s": n_out / secs,
+        "total_tokens_per_s": (n_in + n_out) / secs, "prompt_tokens": n_in,
+        "cached_prompt_tokens": cached, "ttft_s": percentiles(ttft), "e2e_s": percentiles(e2e),
+        "steps": engine.runner.num_steps - steps0, "preemptions": engine.num_preemptions,
+    }
 
 
-def run_hf(model_path: str, prompts, output_len: int, batch_size: int) -> dict:
+def run_hf(model_path: str, rounds, chat, batch_size: int | None) -> dict:
+    """HF transformers' generate on static batches: each batch is left-padded to its longest
+    prompt and generates its longest output for every row; only each request's own output
+    tokens count."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -57,73 +122,107 @@ def run_hf(model_path: str, prompts, output_len: int, batch_size: int) -> dict:
     else:
         model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
     model.eval()
+    model.generation_config.eos_token_id = None  # as ignore_eos
     pad = 0
+    n_in = n_out = n_req = 0
+    used_batch = 0
+
+    def generate_round(samples):
+        nonlocal n_in, n_out, n_req, used_batch
+        bsz = batch_size or len(samples)
+        used_batch = max(used_batch, bsz)
+        replies = []
+        for i in range(0, len(samples), bsz):
+            batch = samples[i:i + bsz]
+            width = max(len(s.prompt_token_ids) for s in batch)
+            ids = torch.tensor([[pad] * (width - len(s.prompt_token_ids)) + s.prompt_token_ids
+                                for s in batch])
+            mask = torch.tensor([[0] * (width - len(s.prompt_token_ids)) + [1] * len(s.prompt_token_ids)
+                                 for s in batch])
+            with torch.inference_mode():
+                out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
+                                     max_new_tokens=max(s.output_len for s in batch),
+                                     pad_token_id=pad)
+            for row, s in zip(out, batch):
+                replies.append(row[width:width + s.output_len].tolist())
+                n_in += len(s.prompt_token_ids)
+                n_out += s.output_len
+                n_req += 1
+        return replies
+
     start = time.perf_counter()
-    n_out = 0
-    with torch.inference_mode():
-        for i in range(0, len(prompts), batch_size):
-            batch = prompts[i:i + batch_size]
-            width = max(len(p) for p in batch)
-            ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
-            out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
-                                 max_new_tokens=output_len, min_new_tokens=output_len,
-                                 pad_token_id=pad)
-            n_out += (out.shape[1] - width) * len(batch)
+    if chat is not None:
+        _chat_rounds(chat, generate_round)
+    else:
+        for samples in rounds:
+            generate_round(samples)
     secs = time.perf_counter() - start
-    return {"seconds": secs, "requests_per_s": len(prompts) / secs, "output_tokens_per_s": n_out / secs,
-            "output_tokens": n_out, "batch_size": batch_size, "torch_threads": torch.get_num_threads()}
+    return {"seconds": secs, "requests": n_req, "requests_per_s": n_req / secs,
+            "output_tokens": n_out, "output_tokens_per_s": n_out / secs,
+            "total_tokens_per_s": (n_in + n_out) / secs, "batch_size": used_batch,
+            "torch_threads": torch.get_num_threads()}
 
 
-def machine() -> str:
-    import jax
-    dev = jax.devices()[0]
-    return f"{platform.machine()} {os.cpu_count()} cores, jax {jax.__version__} on {dev.platform} ({dev.device_kind})"
+def _line(name: str, r: dict) -> str:
+    s = (f"{name:<28} {r['requests_per_s']:8.2f} req/s {r['output_tokens_per_s']:10.1f} output tok/s"
+         f" {r['total_tokens_per_s']:10.1f} total tok/s")
+    if "ttft_s" in r:
+        s += f"  TTFT mean {r['ttft_s']['mean'] * 1e3:.0f} ms"
+    return s
 
 
 def run(args) -> int:
+    import dataclasses
+
     from jaxllm.cli import engine_config_from_args
     from jaxllm.llm import LLM
 
     config = engine_config_from_args(args)
+    base_config = dataclasses.replace(config)
     t0 = time.perf_counter()
     llm = LLM(config=config)
     startup = time.perf_counter() - t0
     engine = llm.llm_engine
-    tok = engine.tokenizer
-    avoid = set(getattr(tok, "all_special_ids", []) or []) if tok is not None else set()
-    prompts = random_prompts(args.num_prompts, args.input_len, engine.arch.vocab_size,
-                             args.workload_seed, avoid)
+    rounds, chat = make_rounds(args, engine)
     result = {
-        "command": "jaxllm " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine(),
-        "model": config.model or "SmolLM2-135M-Instruct (default GGUF)",
-        "dtype": str(np.dtype(engine.dtype)),
-        "workload": {"num_prompts": args.num_prompts, "input_len": args.input_len,
-                     "output_len": args.output_len, "seed": args.workload_seed},
-        "engine": {"max_num_seqs": config.max_num_seqs,
+        "workload": {"dataset": args.dataset_name, "num_prompts": args.num_prompts,
+                     "input_len": args.input_len, "output_len": args.output_len,
+                     "seed": args.workload_seed},
+        "engine": {"model": config.model or "SmolLM2-135M-Instruct (default GGUF)",
+                   "dtype": str(np.dtype(engine.dtype)), "max_num_seqs": config.max_num_seqs,
                    "max_num_batched_tokens": config.max_num_batched_tokens,
-                   "max_model_len": config.max_model_len, "startup_seconds": round(startup, 2)},
+                   "max_model_len": config.max_model_len,
+                   "enable_prefix_caching": config.enable_prefix_caching,
+                   "startup_seconds": round(startup, 2)},
     }
-    result["jaxllm"] = run_jaxllm(llm, prompts, args.output_len)
-    print(f"jaxllm: {result['jaxllm']['requests_per_s']:.2f} req/s, "
-          f"{result['jaxllm']['output_tokens_per_s']:.1f} output tok/s")
-    if not args.no_hf_baseline and config.load_format != "dummy":
+    if chat is not None:
+        result["workload"].update(num_turns=args.num_turns, system_len=args.system_len)
+    result["jaxllm"] = run_jaxllm(llm, rounds, chat)
+    print(_line("jaxllm", result["jaxllm"]))
+    del llm, engine
+    gc.collect()
+
+    prefix_baseline = args.prefix_caching_baseline
+    if prefix_baseline is None:
+        prefix_baseline = args.dataset_name == "prefix-chat"
+    if prefix_baseline and config.enable_prefix_caching:
+        off = LLM(config=dataclasses.replace(base_config, enable_prefix_caching=False))
+        r = result["jaxllm_no_prefix_caching"] = run_jaxllm(off, rounds, chat)
+        del off
+        gc.collect()
+        result["ratio_vs_no_prefix_caching"] = (result["jaxllm"]["output_tokens_per_s"]
+                                                / r["output_tokens_per_s"])
+        result["ttft_ratio_no_prefix_caching_over_jaxllm"] = (r["ttft_s"]["mean"]
+                                                              / result["jaxllm"]["ttft_s"]["mean"])
+        print(_line("jaxllm, prefix caching off", r))
+        print(f"prefix caching: {result['ratio_vs_no_prefix_caching']:.2f}x throughput, "
+              f"TTFT {result['ttft_ratio_no_prefix_caching_over_jaxllm']:.2f}x lower")
+    if args.hf_baseline and config.load_format != "dummy":
         from jaxllm.loader import resolve_model_path
-        path = resolve_model_path(config.model)
-        hf = run_hf(path, prompts, args.output_len, args.hf_batch_size or args.num_prompts)
-        result["hf_transformers"] = hf
-        ratio = result["jaxllm"]["output_tokens_per_s"] / hf["output_tokens_per_s"]
-        result["ratio_vs_hf"] = ratio
-        print(f"HF transformers generate (batch {hf['batch_size']}): {hf['requests_per_s']:.2f} req/s, "
-              f"{hf['output_tokens_per_s']:.1f} output tok/s")
-        print(f"ratio jaxllm / HF: {ratio:.2f}x")
-    os.makedirs(args.results_dir, exist_ok=True)
-    device = "gpu" if "gpu" in result["machine"] else "cpu"
-    tag = args.tag or f"throughput_{datetime.date.today().isoformat()}_{device}"
-    path = os.path.join(args.results_dir, f"{tag}.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {path}")
+        hf = result["hf_transformers"] = run_hf(resolve_model_path(config.model), rounds, chat,
+                                                args.hf_batch_size)
+        result["ratio_vs_hf"] = result["jaxllm"]["output_tokens_per_s"] / hf["output_tokens_per_s"]
+        print(_line(f"HF generate (batch {hf['batch_size']})", hf))
+        print(f"ratio jaxllm / HF: {result['ratio_vs_hf']:.2f}x")
+    write_result(args, result, "throughput")
     return 0

@@ -23,6 +23,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-gpu-blocks-override", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=None)
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="automatic prefix caching (default on)")
+    g.add_argument("--scheduling-policy", default=None, choices=["fcfs", "priority"])
+    g.add_argument("--preemption-mode", default=None, choices=["recompute", "swap"])
+    g.add_argument("--swap-space", type=float, default=None, help="GiB of host memory for swap")
     g.add_argument("--compilation-cache-dir", default=None,
                    help="persistent XLA compilation cache (default ~/.cache/jaxllm/xla)")
 

@@ -29,7 +29,8 @@ def all_logits(loaded, token_ids: list[int]) -> np.ndarray:
                    jnp.float32)
     model = nnx.merge(loaded.graphdef, loaded.state)
     md = jax.tree.map(jnp.asarray, md)
-    logits, _ = model(kv, jnp.asarray(token_ids, jnp.int32), md, jnp.arange(T, dtype=jnp.int32))
+    hidden, _ = model(kv, jnp.asarray(token_ids, jnp.int32), md)
+    logits = model.compute_logits(hidden)
     return np.asarray(logits)
 
 

@@ -70,7 +70,7 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
         """The longest run of cached full blocks at the start of the request, never covering
         its last token (whose logits are needed), and how many tokens they hold."""
-        if not self.enable_caching:
+        if not self.enable_caching or request.skip_prefix_cache:
             return [], 0
         usable = (request.num_tokens - 1) // self.block_size
         hits = []

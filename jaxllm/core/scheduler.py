@@ -31,6 +31,8 @@ class NewRequestData:
     num_computed_tokens: int
     sampling_params: "SamplingParams"
     seed: int
+    eos_token_id: int | None = None
+    bad_word_ids: list[list[int]] | None = None
 
 
 @dataclass
@@ -241,7 +243,7 @@ class Scheduler:
                 new_reqs.append(NewRequestData(
                     rid, list(req.all_token_ids), req.num_prompt_tokens,
                     list(self.kv.get_blocks(rid)), req.num_computed_tokens,
-                    req.sampling_params, req.seed))
+                    req.sampling_params, req.seed, req.eos_token_id, req.bad_word_ids))
         finished = self._finished_ids | {r.request_id for r in preempted}
         self._known_to_runner -= finished
         self._finished_ids = set()

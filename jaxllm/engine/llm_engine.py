@@ -15,7 +15,8 @@ from jaxllm.core.kv_cache_manager import KVCacheManager
 from jaxllm.core.request import Request, RequestStatus
 from jaxllm.core.scheduler import Scheduler
 from jaxllm.engine.detokenizer import IncrementalDetokenizer
-from jaxllm.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from jaxllm.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from jaxllm.runner.sampler import MAX_LOGPROBS
 from jaxllm.loader import load_model
 from jaxllm.runner.model_runner import ModelRunner, kv_bytes_per_block
 from jaxllm.sampling_params import SamplingParams
@@ -47,6 +48,8 @@ class _Child:
     parent_id: str
     index: int
     detok: IncrementalDetokenizer | None
+    logprobs: list | None = None
+    cumulative_logprob: float = 0.0
 
 
 @dataclass
@@ -56,6 +59,8 @@ class _Parent:
     prompt_token_ids: list[int]
     children: list[str]
     metrics: RequestMetrics
+    params: SamplingParams
+    prompt_logprobs: list | None = None
 
 
 class LLMEngine:
@@ -95,6 +100,7 @@ class LLMEngine:
             logger.info("compiled %d step shapes in %.1f s", len(self.runner.shapes.all), secs)
         self._rng = np.random.default_rng(config.seed)
         self._children: dict[str, _Child] = {}
+        self._token_text: dict[int, str] = {}
         self._parents: dict[str, _Parent] = {}
         self.startup_seconds = time.perf_counter() - start
         logger.info("engine ready in %.1f s (model %s, dtype %s, %s)", self.startup_seconds,
@@ -169,6 +175,11 @@ class LLMEngine:
         if len(ids) >= limit:
             raise ValueError(f"prompt is {len(ids)} tokens, but max_model_len is {limit}: "
                              "no room to generate")
+        params.check_vocab(vocab)
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > MAX_LOGPROBS:
+                raise ValueError(f"{name} must be at most {MAX_LOGPROBS}, got {k}")
         if params.max_tokens is not None and len(ids) + params.max_tokens > limit:
             raise ValueError(f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) "
                              f"exceeds max_model_len ({limit})")
@@ -183,32 +194,65 @@ class LLMEngine:
             raise ValueError(f"request_id must be a string, got {type(request_id).__name__}")
         if request_id in self._parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        if priority != 0 and self.config.scheduling_policy != "priority":
-            raise ValueError(f"priority={priority} needs scheduling_policy='priority'")
+        if not isinstance(priority, int) or (priority != 0 and self.config.scheduling_policy != "priority"):
+            raise ValueError(f"priority={priority!r} needs scheduling_policy='priority'")
         text, ids, params = self.validate_request(prompt, params)
         cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError("cache_salt must be a string")
+        bad_word_ids = self._tokenize_bad_words(params.bad_words) if params.bad_words else None
         arrival = time.time() if arrival_time is None else arrival_time
         reqs = []
-        for i in range(params.n):
-            child_id = request_id if params.n == 1 else f"{i}_{request_id}"
+        num = params.num_sequences
+        for i in range(num):
+            child_id = request_id if num == 1 else f"{i}_{request_id}"
             if params.seed is not None:
                 seed = (params.seed + i) & 0xFFFFFFFF
             else:
                 seed = int(self._rng.integers(0, 2**32))
             req = Request(child_id, ids, params, self.eos_token_id, seed, arrival,
                           priority=priority, cache_salt=cache_salt)
+            req.bad_word_ids = bad_word_ids
             detok = None
             if params.detokenize and self.tokenizer is not None:
                 detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens,
-                                               params.stop_strings, params.include_stop_str_in_output)
-            self._children[child_id] = _Child(req, request_id, i, detok)
+                                               params.stop_strings, params.include_stop_str_in_output,
+                                               params.spaces_between_special_tokens)
+            self._children[child_id] = _Child(req, request_id, i, detok,
+                                              [] if params.logprobs is not None else None)
             reqs.append(req)
+        plp = [None] if params.prompt_logprobs is not None else None
         self._parents[request_id] = _Parent(request_id, text, ids, [r.request_id for r in reqs],
-                                            RequestMetrics(arrival))
+                                            RequestMetrics(arrival), params, plp)
         # siblings of a parallel-sampling request start from the first one's prompt blocks
         self.scheduler.add_request(reqs[0], reqs[1:])
+
+    def _tokenize_bad_words(self, words: list[str]) -> list[list[int]]:
+        """Each bad word as token ids, alone and after a space (as it appears mid-text)."""
+        if self.tokenizer is None:
+            raise ValueError("bad_words needs a tokenizer")
+        out = []
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
+
+    def _decoded(self, token_id: int) -> str | None:
+        if self.tokenizer is None:
+            return None
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+    def _position_logprobs(self, token: int, lp) -> dict:
+        entry = {token: Logprob(lp.logprob, lp.rank, self._decoded(token))}
+        for rank, (tid, val) in enumerate(zip(lp.top_ids, lp.top_logprobs), start=1):
+            if tid not in entry:
+                entry[tid] = Logprob(val, rank, self._decoded(tid))
+        return entry
 
     def abort_request(self, request_id) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
@@ -229,7 +273,7 @@ class LLMEngine:
     # one iteration
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
-        sampled = self.runner.execute_model(out)
+        res = self.runner.execute_model(out)
         now = time.time()
         for rid in out.num_scheduled_tokens:
             child = self._children.get(rid)
@@ -237,11 +281,18 @@ class LLMEngine:
                 m = self._parents[child.parent_id].metrics
                 if m.first_scheduled_time is None:
                     m.first_scheduled_time = now
-        updates = self.scheduler.update_from_output(out, sampled)
+        for rid, (start, entries) in res.prompt_logprobs.items():
+            self._add_prompt_logprobs(rid, start, entries)
+        updates = self.scheduler.update_from_output(out, res.sampled)
         touched = {}
         for upd in updates:
             child = self._children[upd.request.request_id]
             req = child.request
+            lp = res.logprobs.get(req.request_id)
+            if lp is not None:
+                child.cumulative_logprob += lp.logprob
+                if child.logprobs is not None:
+                    child.logprobs.append(self._position_logprobs(upd.new_token_ids[0], lp))
             if child.detok is not None:
                 hit = child.detok.update(upd.new_token_ids)
                 if hit is not None and not req.status.finished:
@@ -253,27 +304,52 @@ class LLMEngine:
             touched[child.parent_id] = None
         return [self._make_output(pid) for pid in touched]
 
+    def _add_prompt_logprobs(self, rid: str, start: int, entries) -> None:
+        child = self._children.get(rid)
+        if child is None:
+            return
+        plp = self._parents[child.parent_id].prompt_logprobs
+        ids = self._parents[child.parent_id].prompt_token_ids
+        for j, lp in enumerate(entries):
+            pos = start + j + 1  # the entry of position p scores prompt token p + 1
+            if pos == len(plp):  # a recomputed prompt (after preemption) adds nothing twice
+                plp.append(self._position_logprobs(ids[pos], lp))
+
     def _make_output(self, parent_id: str) -> RequestOutput:
         parent = self._parents[parent_id]
+        params = parent.params
         cached = max(self._children[parent.children[0]].request.num_cached_tokens, 0)
         outputs = []
         finished = True
         for cid in parent.children:
             child = self._children[cid]
             req = child.request
-            text = child.detok.output_text if child.detok is not None else ""
-            reason = req.finish_reason if req.status.finished else None
-            finished &= req.status.finished
+            done = req.status.finished
+            text = child.detok.get_text(done) if child.detok is not None else ""
+            finished &= done
             parent.metrics.num_preemptions = max(parent.metrics.num_preemptions, req.num_preemptions)
-            outputs.append(CompletionOutput(child.index, text, list(req.output_token_ids),
-                                            finish_reason=reason, stop_reason=req.stop_reason))
+            outputs.append(CompletionOutput(
+                child.index, text, list(req.output_token_ids),
+                child.cumulative_logprob if params.logprobs is not None or params.best_of else None,
+                list(child.logprobs) if child.logprobs is not None else None,
+                req.finish_reason if done else None, req.stop_reason))
         if finished:
             parent.metrics.finished_time = time.time()
             del self._parents[parent_id]
             for cid in parent.children:
                 del self._children[cid]
+            if params.best_of and params.best_of > params.n:
+                # the n most likely of best_of sequences
+                outputs = sorted(outputs, key=lambda o: -o.cumulative_logprob)[:params.n]
+                for i, o in enumerate(outputs):
+                    o.index = i
+                    if params.logprobs is None:
+                        o.cumulative_logprob = None
+        elif params.best_of and params.best_of > params.n:
+            outputs = outputs[:params.n]  # streamed: the choice is made at the end
         return RequestOutput(parent_id, parent.prompt, parent.prompt_token_ids, outputs, finished,
-                             dataclasses.replace(parent.metrics), cached)
+                             dataclasses.replace(parent.metrics), cached,
+                             list(parent.prompt_logprobs) if parent.prompt_logprobs is not None else None)
 
     # introspection
     @property
@@ -282,4 +358,17 @@ class LLMEngine:
 
     def kv_cache_usage(self) -> float:
         return self.kv_manager.usage()
+
+    def stats(self) -> dict:
+        """A snapshot of the scheduler and cache counters (what /metrics exports)."""
+        sched, kv = self.scheduler, self.kv_manager
+        return {
+            "num_requests_running": sched.num_running,
+            "num_requests_waiting": sched.num_waiting,
+            "kv_cache_usage_perc": kv.usage(),
+            "num_preemptions": sched.num_preemptions,
+            "num_swaps": sched.num_swaps,
+            "prefix_cache_queries": kv.prefix_queries,
+            "prefix_cache_hits": kv.prefix_hits,
+        }
 

@@ -73,9 +73,14 @@ class LlamaForCausalLM(nnx.Module):
         self.lm_head = (nnx.Param(_init("lm_head", shapes["lm_head"], dtype, rngs.params()))
                         if "lm_head" in shapes else None)
 
-    def __call__(self, kv_cache: jax.Array, input_ids: jax.Array, md: AttentionMetadata,
-                 logits_indices: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """Returns (logits [S, V] f32 of the last token of each sequence, new kv_cache)."""
+    def compute_logits(self, h: jax.Array) -> jax.Array:
+        """Final-normed hidden states [N, E] -> logits [N, V] in f32."""
+        head = self.embed_tokens[...].T if self.lm_head is None else self.lm_head[...]
+        return (h @ head).astype(jnp.float32)
+
+    def __call__(self, kv_cache: jax.Array, input_ids: jax.Array,
+                 md: AttentionMetadata) -> tuple[jax.Array, jax.Array]:
+        """Returns (final-normed hidden states [T, E], new kv_cache)."""
         cfg = self.cfg
         T = input_ids.shape[0]
         H, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -104,6 +109,4 @@ class LlamaForCausalLM(nnx.Module):
             return (x, kv, i + 1), None
 
         (x, kv_cache, _), _ = jax.lax.scan(layer, (x, kv_cache, jnp.int32(0)), self.layers.weights())
-        h = rms_norm(x[logits_indices], self.norm[...], eps)
-        head = embed.T if self.lm_head is None else self.lm_head[...]
-        return (h @ head).astype(jnp.float32), kv_cache
+        return rms_norm(x, self.norm[...], eps), kv_cache

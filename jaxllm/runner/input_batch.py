@@ -11,6 +11,22 @@ import numpy as np
 
 from jaxllm.core.block_pool import NULL_BLOCK
 
+# per-row sampling columns: name -> (dtype, value for an empty row)
+COLUMNS = {
+    "temperature": (np.float32, 0.0),
+    "top_k": (np.int32, 0),
+    "top_p": (np.float32, 1.0),
+    "min_p": (np.float32, 0.0),
+    "seed": (np.uint32, 0),
+    "repetition_penalty": (np.float32, 1.0),
+    "frequency_penalty": (np.float32, 0.0),
+    "presence_penalty": (np.float32, 0.0),
+    "min_tokens": (np.int32, 0),
+    "has_bias": (np.bool_, False),
+    "num_logprobs": (np.int32, -1),         # -1: no logprobs
+    "num_prompt_logprobs": (np.int32, -1),
+}
+
 
 class InputBatch:
     def __init__(self, max_num_seqs: int, max_model_len: int, max_blocks_per_seq: int):
@@ -22,6 +38,8 @@ class InputBatch:
         self.num_computed_tokens = np.zeros(max_num_seqs, np.int32)
         self.block_table = np.full((max_num_seqs, max_blocks_per_seq), NULL_BLOCK, np.int32)
         self.num_blocks = np.zeros(max_num_seqs, np.int32)
+        self.cols = {name: np.full(max_num_seqs, fill, dtype) for name, (dtype, fill) in COLUMNS.items()}
+        self.bad_words: list[list[list[int]] | None] = [None] * max_num_seqs  # multi-token only
         self.row_of: dict[str, int] = {}
         self.req_id_of: list[str | None] = [None] * max_num_seqs
         # lowest rows first, so that live rows stay packed at the front
@@ -31,7 +49,8 @@ class InputBatch:
         return len(self.row_of)
 
     def add(self, req_id: str, token_ids: list[int], num_prompt_tokens: int,
-            block_ids: list[int], num_computed_tokens: int) -> int:
+            block_ids: list[int], num_computed_tokens: int, params, seed: int,
+            bad_word_ids: list[list[int]] | None = None) -> int:
         if req_id in self.row_of:
             raise RuntimeError(f"request {req_id!r} already has a row")
         row = self._free_rows.pop()
@@ -43,6 +62,19 @@ class InputBatch:
         self.num_blocks[row] = 0
         self.block_table[row] = NULL_BLOCK
         self.append_blocks(row, block_ids)
+        c = self.cols
+        for name in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
+                     "frequency_penalty", "presence_penalty", "min_tokens"):
+            c[name][row] = getattr(params, name)
+        c["seed"][row] = seed
+        c["has_bias"][row] = params.has_bias
+        # best_of ranks sequences by cumulative logprob: computed even when not returned
+        wants = params.logprobs if params.logprobs is not None else (
+            0 if params.num_sequences > params.n else -1)
+        c["num_logprobs"][row] = wants
+        c["num_prompt_logprobs"][row] = -1 if params.prompt_logprobs is None else params.prompt_logprobs
+        multi = [w for w in (bad_word_ids or []) if len(w) > 1]
+        self.bad_words[row] = multi or None
         self.row_of[req_id] = row
         self.req_id_of[row] = req_id
         return row
@@ -52,6 +84,9 @@ class InputBatch:
         if row is None:
             return None
         self.req_id_of[row] = None
+        self.bad_words[row] = None
+        for name, (_, fill) in COLUMNS.items():
+            self.cols[name][row] = fill
         self._free_rows.append(row)
         self._free_rows.sort(reverse=True)
         return row
@@ -67,3 +102,17 @@ class InputBatch:
         n = self.num_tokens[row]
         self.token_ids[row, n] = token
         self.num_tokens[row] = n + 1
+
+    def banned_tokens(self, row: int) -> list[int]:
+        """Last tokens of multi-token bad words whose other tokens end the output so far."""
+        words = self.bad_words[row]
+        if not words:
+            return []
+        start, end = self.num_prompt_tokens[row], self.num_tokens[row]
+        out = self.token_ids[row, start:end]
+        banned = []
+        for w in words:
+            k = len(w) - 1
+            if len(out) >= k and list(out[len(out) - k:]) == w[:-1]:
+                banned.append(w[-1])
+        return banned

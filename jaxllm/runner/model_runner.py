@@ -9,6 +9,7 @@ import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
@@ -22,8 +23,9 @@ from jaxllm.core.scheduler import SchedulerOutput
 from jaxllm.layers.attention import AttentionMetadata, kv_chunk, max_tiles, q_tile_size
 from jaxllm.runner.block_ops import BlockOps
 from jaxllm.runner.buckets import StepShapes, make_buckets
-from jaxllm.runner.input_batch import InputBatch
-from jaxllm.runner.sampler import SamplingMetadata, sample
+from jaxllm.runner.input_batch import COLUMNS, InputBatch
+from jaxllm.runner.sampler import (MAX_BANNED, MAX_LOGPROBS, SamplerOutput, SamplingMetadata,
+                                   init_state, prompt_logprobs, sample, set_rows)
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +85,27 @@ def attention_metadata(starts: np.ndarray, n: np.ndarray, tables: np.ndarray, T:
                              tile_start, np.int32(num_tiles), block_size=bs)
 
 
+@dataclass
+class Logprobs:
+    """Logprob of a chosen token, its rank and the top alternatives (ids, logprobs)."""
+    logprob: float
+    rank: int
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass
+class RunnerOutput:
+    sampled: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, Logprobs] = field(default_factory=dict)
+    # requests computing prompt tokens that asked for them: (position of the first entry,
+    # entries); the entry of position p scores prompt token p + 1
+    prompt_logprobs: dict[str, tuple[int, list[Logprobs]]] = field(default_factory=dict)
+
+
+ROW_INIT_GROUP = 8  # sampler-state rows rebuilt per call
+
+
 class ModelRunner:
     def __init__(self, loaded, dtype, num_blocks: int, block_size: int, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, num_host_blocks: int = 0):
@@ -90,49 +113,75 @@ class ModelRunner:
         self.graphdef = loaded.graphdef
         self.state = loaded.state
         self.dtype = dtype
+        self.vocab = loaded.arch.vocab_size
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
         self.max_blocks_per_seq = table_width(max_model_len, block_size)
         self.shapes = StepShapes(
             make_buckets(min(16, max_num_batched_tokens), max_num_batched_tokens, linear_from=1024),
             make_buckets(1, max_num_seqs))
         self.kv_cache = jnp.zeros(kv_cache_shape(self.arch, num_blocks, block_size), dtype)
+        self.sampler_state = init_state(max_num_seqs, self.vocab)
         self.block_ops = BlockOps(self.kv_cache.shape, dtype, block_size, num_host_blocks)
         self.batch = InputBatch(max_num_seqs, max_model_len, self.max_blocks_per_seq)
-        self.sampling: dict[str, tuple] = {}  # req_id -> (SamplingParams, seed)
+        self._pending_rows: list[tuple[int, object]] = []  # rows whose sampler state to rebuild
         self._compiled: dict[tuple[int, int], object] = {}
         self.num_steps = 0
         self.num_compiles_after_warmup = 0
-        graphdef = self.graphdef
+        graphdef, vocab = self.graphdef, self.vocab
 
-        def step(state, kv_cache, input_ids, md, logits_indices, sampling_md):
+        def step(state, kv_cache, sampler_state, input_ids, md, logits_indices, smd):
             model = nnx.merge(graphdef, state)
-            logits, kv_cache = model(kv_cache, input_ids, md, logits_indices)
-            return sample(logits, sampling_md), kv_cache
+            hidden, kv_cache = model(kv_cache, input_ids, md)
+            logits = model.compute_logits(hidden[logits_indices])
+            (tokens, lp, rank, top_ids, top_lp), sampler_state = sample(logits, smd, sampler_state)
+            T, k = hidden.shape[0], min(MAX_LOGPROBS, vocab)
+            zeros = (jnp.zeros(T, jnp.float32), jnp.zeros(T, jnp.int32),
+                     jnp.zeros((T, k), jnp.int32), jnp.zeros((T, k), jnp.float32))
+            plp = jax.lax.cond(
+                smd.any_prompt_logprobs,
+                lambda h: prompt_logprobs(model.compute_logits, h, smd.next_ids,
+                                          md.query_start_loc[-1], vocab),
+                lambda h: zeros, hidden)
+            return SamplerOutput(tokens, lp, rank, top_ids, top_lp, *plp), kv_cache, sampler_state
 
-        self._step = jax.jit(step, donate_argnums=(1,))
+        self._step = jax.jit(step, donate_argnums=(1, 2))
+        self._set_rows = jax.jit(set_rows, donate_argnums=(0,))
 
     # compilation
     def _abstract_inputs(self, T: int, S: int):
-        i32, f32 = jnp.int32, jnp.float32
+        i32, f32, b = jnp.int32, jnp.float32, jnp.bool_
         sds = jax.ShapeDtypeStruct
         W = max_tiles(T, S)
         md = AttentionMetadata(sds((T,), i32), sds((T,), i32), sds((T,), i32), sds((S + 1,), i32),
                                sds((S,), i32), sds((S, self.max_blocks_per_seq), i32),
                                sds((W,), i32), sds((W,), i32), sds((), i32),
                                block_size=self.block_size)
-        smd = SamplingMetadata(sds((S,), f32), sds((S,), i32), sds((S,), f32), sds((S,), f32),
-                               sds((S,), jnp.uint32), sds((S,), i32))
+        smd = SamplingMetadata(
+            sds((S,), f32), sds((S,), i32), sds((S,), f32), sds((S,), f32), sds((S,), jnp.uint32),
+            sds((S,), i32), sds((S,), i32), sds((S,), b), sds((S,), f32), sds((S,), f32),
+            sds((S,), f32), sds((S,), i32), sds((S,), b), sds((S, MAX_BANNED), i32), sds((T,), i32),
+            *[sds((), b)] * 8)
         return sds((T,), i32), md, sds((S,), i32), smd
 
+    def _abstract(self, tree):
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+
     def _compile(self, T: int, S: int):
-        state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.state)
-        kv = jax.ShapeDtypeStruct(self.kv_cache.shape, self.kv_cache.dtype)
-        return self._step.lower(state, kv, *self._abstract_inputs(T, S)).compile()
+        return self._step.lower(self._abstract(self.state), self._abstract(self.kv_cache),
+                                self._abstract(self.sampler_state),
+                                *self._abstract_inputs(T, S)).compile()
 
     def compile_all(self, progress: bool = True) -> float:
         start = time.perf_counter()
         self.block_ops.compile()
+        K, sds = ROW_INIT_GROUP, jax.ShapeDtypeStruct
+        self._set_rows = self._set_rows.lower(
+            self._abstract(self.sampler_state), sds((K,), jnp.int32),
+            sds((K, self.max_model_len), jnp.int32), sds((K,), jnp.int32), sds((K,), jnp.int32),
+            sds((K, self.vocab), jnp.float32), sds((K, self.vocab), jnp.bool_)).compile()
         todo = [s for s in self.shapes.all if s not in self._compiled]
         # XLA compiles outside the GIL, so threads overlap the per-shape compiles
         with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
@@ -157,15 +206,51 @@ class ModelRunner:
         batch = self.batch
         for rid in out.finished_req_ids:
             batch.remove(rid)
-            self.sampling.pop(rid, None)
         for new in out.scheduled_new_reqs:
-            batch.add(new.req_id, new.token_ids, new.num_prompt_tokens, new.block_ids,
-                      new.num_computed_tokens)
-            self.sampling[new.req_id] = new.sampling_params, new.seed
+            p = new.sampling_params
+            row = batch.add(new.req_id, new.token_ids, new.num_prompt_tokens, new.block_ids,
+                            new.num_computed_tokens, p, new.seed, new.bad_word_ids)
+            if p.has_penalties or p.has_bias or p.min_tokens > 0:
+                self._pending_rows.append((row, new))
         for cached in out.scheduled_cached_reqs:
             row = batch.row_of[cached.req_id]
             batch.append_blocks(row, cached.new_block_ids)
             batch.num_computed_tokens[row] = cached.num_computed_tokens
+        if self._pending_rows:
+            self._init_sampler_rows()
+
+    def _init_sampler_rows(self) -> None:
+        """Rebuild the on-device sampler rows of requests entering the batch from their token
+        lists (prefix hits, forks and swaps skip recomputing tokens, so counts come from here)."""
+        K, V, L = ROW_INIT_GROUP, self.vocab, self.max_model_len
+        pending, self._pending_rows = self._pending_rows, []
+        for i in range(0, len(pending), K):
+            group = pending[i:i + K]
+            rows = np.full(K, self.max_num_seqs, np.int32)  # the spare row absorbs padding
+            tokens = np.zeros((K, L), np.int32)
+            n_prompt = np.zeros(K, np.int32)
+            n_tok = np.zeros(K, np.int32)
+            bias = np.zeros((K, V), np.float32)
+            stop = np.zeros((K, V), np.bool_)
+            for j, (row, new) in enumerate(group):
+                p = new.sampling_params
+                rows[j] = row
+                tokens[j, :len(new.token_ids)] = new.token_ids
+                n_prompt[j], n_tok[j] = new.num_prompt_tokens, len(new.token_ids)
+                if p.allowed_token_ids is not None:
+                    bias[j] = -np.inf
+                    bias[j, p.allowed_token_ids] = 0.0
+                for t, v in (p.logit_bias or {}).items():
+                    bias[j, t] += v
+                for w in new.bad_word_ids or ():
+                    if len(w) == 1:
+                        bias[j, w[0]] = -np.inf
+                if p.min_tokens > 0:
+                    stop[j, p.stop_token_ids] = True
+                    if not p.ignore_eos and new.eos_token_id is not None:
+                        stop[j, new.eos_token_id] = True
+            self.sampler_state = self._set_rows(self.sampler_state, rows, tokens, n_prompt, n_tok,
+                                                bias, stop)
 
     def _prepare(self, out: SchedulerOutput, req_ids: list[str]):
         """Padded numpy inputs of one step, vectorised over persistent-batch rows."""
@@ -181,24 +266,55 @@ class ModelRunner:
         input_ids[:T_real] = batch.token_ids[tok_rows, md.positions[:T_real]]
         logits_idx = np.zeros(S, np.int32)
         logits_idx[:S_real] = md.query_start_loc[1:S_real + 1] - 1
+        return rows, n, (T, S), (input_ids, md, logits_idx,
+                                 self._sampling_metadata(rows, n, starts, md, T, S))
 
-        params = [self.sampling[r] for r in req_ids]
+    def _sampling_metadata(self, rows, n, starts, md, T: int, S: int) -> SamplingMetadata:
+        batch, c = self.batch, self.batch.cols
+        S_real, T_real = len(rows), int(n.sum())
 
-        def col(get, dtype, fill=0):
+        def col(name):
+            dtype, fill = COLUMNS[name]
             a = np.full(S, fill, dtype)
-            a[:S_real] = [get(p, seed) for p, seed in params]
+            a[:S_real] = c[name][rows]
             return a
 
+        cols = {name: col(name) for name in COLUMNS}
+        pad_rows = np.full(S, self.max_num_seqs, np.int32)
+        pad_rows[:S_real] = rows
         gen_index = np.zeros(S, np.int32)
         gen_index[:S_real] = batch.num_tokens[rows] - batch.num_prompt_tokens[rows]
-        smd = SamplingMetadata(col(lambda p, _: p.temperature, np.float32),
-                               col(lambda p, _: p.top_k, np.int32),
-                               col(lambda p, _: p.top_p, np.float32, 1.0),
-                               col(lambda p, _: p.min_p, np.float32),
-                               col(lambda _, seed: seed, np.uint32), gen_index)
-        return rows, (T, S), (input_ids, md, logits_idx, smd)
+        is_final = np.zeros(S, np.bool_)
+        is_final[:S_real] = starts + n >= batch.num_tokens[rows]
+        banned = np.full((S, MAX_BANNED), -1, np.int32)
+        any_banned = False
+        for i, row in enumerate(rows):
+            if batch.bad_words[row] is not None:
+                b = batch.banned_tokens(row)[:MAX_BANNED]
+                banned[i, :len(b)] = b
+                any_banned |= bool(b)
+        next_ids = np.zeros(T, np.int32)
+        want_plp = (cols["num_prompt_logprobs"] >= 0) & (np.arange(S) < S_real)
+        any_plp = bool(want_plp.any())
+        if any_plp:
+            pos = md.positions[:T_real]
+            tok_rows = rows[md.token_seq_ids[:T_real]]
+            nxt = np.minimum(pos + 1, self.max_model_len - 1)
+            in_prompt = pos + 1 < batch.num_prompt_tokens[tok_rows]
+            next_ids[:T_real] = np.where(in_prompt, batch.token_ids[tok_rows, nxt], -1)
+        random = cols["temperature"] >= 1e-5
+        return SamplingMetadata(
+            cols["temperature"], cols["top_k"], cols["top_p"], cols["min_p"], cols["seed"],
+            gen_index, pad_rows, is_final, cols["repetition_penalty"], cols["frequency_penalty"],
+            cols["presence_penalty"], cols["min_tokens"], cols["has_bias"], banned, next_ids,
+            np.bool_(random.any()),
+            np.bool_((random & ((cols["top_k"] > 0) | (cols["top_p"] < 1) | (cols["min_p"] > 0))).any()),
+            np.bool_(((cols["repetition_penalty"] != 1) | (cols["frequency_penalty"] != 0)
+                      | (cols["presence_penalty"] != 0)).any()),
+            np.bool_(cols["has_bias"].any()), np.bool_((cols["min_tokens"] > gen_index).any()),
+            np.bool_(any_banned), np.bool_((cols["num_logprobs"] >= 0).any()), np.bool_(any_plp))
 
-    def execute_model(self, out: SchedulerOutput) -> dict[str, int]:
+    def execute_model(self, out: SchedulerOutput) -> RunnerOutput:
         if out.has_block_ops:
             # swap-outs first: their device blocks may be handed out again in this very step
             ops = self.block_ops
@@ -206,26 +322,57 @@ class ModelRunner:
             self.kv_cache = ops.swap_in(self.kv_cache, out.blocks_to_swap_in)
             self.kv_cache = ops.copy(self.kv_cache, out.blocks_to_copy)
         self._update_states(out)
+        result = RunnerOutput()
         if out.is_empty:
-            return {}
+            return result
         req_ids = list(out.num_scheduled_tokens)
-        rows, shape, inputs = self._prepare(out, req_ids)
+        rows, n, shape, inputs = self._prepare(out, req_ids)
         exe = self._compiled.get(shape)
         if exe is None:
             exe = self._compiled[shape] = self._compile(*shape)
             self.num_compiles_after_warmup += 1
             logger.warning("compiled step shape %s outside warm-up", shape)
+        smd = inputs[-1]
         inputs = jax.device_put(inputs)
-        tokens, self.kv_cache = exe(self.state, self.kv_cache, *inputs)
-        tokens = np.asarray(tokens)
+        res, self.kv_cache, self.sampler_state = exe(self.state, self.kv_cache,
+                                                     self.sampler_state, *inputs)
+        tokens = np.asarray(res.tokens)
         self.num_steps += 1
-        batch = self.batch
-        sampled = {}
+        batch, cols = self.batch, self.batch.cols
+        want_lp = bool(smd.any_logprobs)
+        if want_lp:
+            lp, rank, top_ids, top_lp = (np.asarray(x) for x in (res.logprobs, res.ranks,
+                                                                 res.top_ids, res.top_logprobs))
+        starts = batch.num_computed_tokens[rows].copy()
         for i, rid in enumerate(req_ids):
             row = rows[i]
-            batch.num_computed_tokens[row] += out.num_scheduled_tokens[rid]
+            batch.num_computed_tokens[row] += n[i]
             if batch.num_computed_tokens[row] >= batch.num_tokens[row]:
                 tok = int(tokens[i])
                 batch.append_token(row, tok)
-                sampled[rid] = tok
-        return sampled
+                result.sampled[rid] = tok
+                k = int(cols["num_logprobs"][row])
+                if want_lp and k >= 0:
+                    result.logprobs[rid] = Logprobs(float(lp[i]), int(rank[i]),
+                                                    top_ids[i, :k].tolist(), top_lp[i, :k].tolist())
+        if bool(smd.any_prompt_logprobs):
+            self._collect_prompt_logprobs(res, req_ids, rows, n, starts, result)
+        return result
+
+    def _collect_prompt_logprobs(self, res, req_ids, rows, n, starts, result) -> None:
+        plp, prank, pids, ptop = (np.asarray(x) for x in (res.prompt_logprobs, res.prompt_ranks,
+                                                         res.prompt_top_ids, res.prompt_top_logprobs))
+        batch, offset = self.batch, 0
+        for i, rid in enumerate(req_ids):
+            row, k = rows[i], int(batch.cols["num_prompt_logprobs"][rows[i]])
+            if k >= 0:
+                entries = []
+                for t in range(offset, offset + n[i]):
+                    pos = starts[i] + t - offset
+                    if pos + 1 < batch.num_prompt_tokens[row]:
+                        entries.append(Logprobs(float(plp[t]), int(prank[t]), pids[t, :k].tolist(),
+                                                ptop[t, :k].tolist()))
+                if entries:
+                    result.prompt_logprobs[rid] = (int(starts[i]), entries)
+            offset += n[i]
+

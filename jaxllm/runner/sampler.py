@@ -1,7 +1,15 @@
-"""On-device sampling inside the jitted step: greedy, temperature, top-k, top-p, min-p.
+"""On-device sampling inside the jitted step, batched over requests with different parameters.
 
-Every row draws from its own key, fold_in(key(seed), index of the token being generated),
-so a seeded request yields the same tokens whatever else shares its batch.
+Order, as vLLM's sampler: raw logprobs are taken first; then allowed-token masks, bad words,
+min_tokens and logit bias; then repetition, frequency and presence penalties; greedy rows take
+the argmax; the others apply temperature, min_p, top-k and top-p, and draw by the Gumbel-max
+trick. Every row draws from its own key, fold_in(key(seed), index of the token being
+generated), so a seeded request yields the same tokens whatever else shares its batch.
+
+Per-request state that outlives a step (output token counts, the prompt's token set, a dense
+bias row, the min_tokens stop set) lives in `SamplerState`, one row per persistent-batch row,
+passed in and returned donated. Optional work sits behind `lax.cond` on flags computed on the
+host, so a new mix of parameters never recompiles and a plain greedy batch pays for nothing.
 """
 from __future__ import annotations
 
@@ -10,47 +18,197 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-_GREEDY_EPS = 1e-5
+GREEDY_EPS = 1e-5
+MAX_LOGPROBS = 20   # top logprobs a request may ask for (vLLM's max_logprobs)
+MAX_BANNED = 16     # tokens banned per row and step by multi-token bad words
+PROMPT_LP_CHUNK = 256
+_NEG_INF = -jnp.inf
 
 
 @jax.tree_util.register_dataclass
 @dataclass
 class SamplingMetadata:
-    temperature: jax.Array  # [S] f32, 0 = greedy
-    top_k: jax.Array        # [S] i32, 0 = off
-    top_p: jax.Array        # [S] f32
-    min_p: jax.Array        # [S] f32
-    seeds: jax.Array        # [S] u32
-    gen_index: jax.Array    # [S] i32
+    temperature: jax.Array         # [S] f32, < GREEDY_EPS = greedy
+    top_k: jax.Array               # [S] i32, 0 = off
+    top_p: jax.Array               # [S] f32
+    min_p: jax.Array               # [S] f32
+    seeds: jax.Array               # [S] u32
+    gen_index: jax.Array           # [S] i32 output tokens so far
+    rows: jax.Array                # [S] i32 persistent-batch row (padded rows: the spare row)
+    is_final: jax.Array            # [S] bool: the row samples its next token this step
+    repetition_penalty: jax.Array  # [S] f32
+    frequency_penalty: jax.Array   # [S] f32
+    presence_penalty: jax.Array    # [S] f32
+    min_tokens: jax.Array          # [S] i32
+    has_bias: jax.Array            # [S] bool: the row's bias row applies
+    banned: jax.Array              # [S, MAX_BANNED] i32, -1 = none
+    next_ids: jax.Array            # [T] i32 the prompt token after each token (prompt logprobs)
+    any_random: jax.Array          # [] bool
+    any_filter: jax.Array          # [] bool: some random row uses top-k, top-p or min-p
+    any_penalty: jax.Array         # [] bool
+    any_bias: jax.Array            # [] bool
+    any_min_tokens: jax.Array      # [] bool
+    any_banned: jax.Array          # [] bool
+    any_logprobs: jax.Array        # [] bool
+    any_prompt_logprobs: jax.Array  # [] bool
 
 
-def _filter(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
+@jax.tree_util.register_dataclass
+@dataclass
+class SamplerState:
+    out_counts: jax.Array   # [R+1, V] i32 output-token counts
+    prompt_mask: jax.Array  # [R+1, V] bool tokens of the prompt
+    bias: jax.Array         # [R+1, V] f32 logit bias, -inf outside allowed_token_ids / on bad words
+    stop_mask: jax.Array    # [R+1, V] bool EOS and stop ids, masked until min_tokens
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class SamplerOutput:
+    tokens: jax.Array          # [S] i32
+    logprobs: jax.Array        # [S] f32 raw logprob of the sampled token
+    ranks: jax.Array           # [S] i32 its rank (1 = most likely)
+    top_ids: jax.Array         # [S, MAX_LOGPROBS] i32
+    top_logprobs: jax.Array    # [S, MAX_LOGPROBS] f32
+    prompt_logprobs: jax.Array  # [T] f32 logprob of the next prompt token
+    prompt_ranks: jax.Array    # [T] i32
+    prompt_top_ids: jax.Array  # [T, MAX_LOGPROBS] i32
+    prompt_top_logprobs: jax.Array  # [T, MAX_LOGPROBS] f32
+
+
+def init_state(rows: int, vocab: int) -> SamplerState:
+    return SamplerState(jnp.zeros((rows + 1, vocab), jnp.int32),
+                        jnp.zeros((rows + 1, vocab), jnp.bool_),
+                        jnp.zeros((rows + 1, vocab), jnp.float32),
+                        jnp.zeros((rows + 1, vocab), jnp.bool_))
+
+
+def set_rows(state: SamplerState, rows, tokens, num_prompt, num_tokens, bias, stop_mask) -> SamplerState:
+    """Rebuild rows for requests entering the batch. tokens: [K, L] (prompt then outputs),
+    bias: [K, V], stop_mask: [K, V]. Rows = the spare row for padding."""
+    K, L = tokens.shape
+    pos = jnp.arange(L)[None, :]
+    r = jnp.broadcast_to(rows[:, None], (K, L))
+    is_prompt = pos < num_prompt[:, None]
+    is_output = (pos >= num_prompt[:, None]) & (pos < num_tokens[:, None])
+    V = state.out_counts.shape[1]
+    counts = state.out_counts.at[rows].set(0).at[r, tokens].add(is_output.astype(jnp.int32))
+    in_prompt = jnp.where(is_prompt, tokens, V)  # out of range: dropped
+    pmask = state.prompt_mask.at[rows].set(False).at[r, in_prompt].set(True, mode="drop")
+    return SamplerState(counts, pmask, state.bias.at[rows].set(bias),
+                        state.stop_mask.at[rows].set(stop_mask))
+
+
+def apply_penalties(logits, counts, prompt_mask, rep, freq, pres):
+    """vLLM's definitions: repetition divides positive / multiplies negative logits of tokens
+    seen in the prompt or the output; frequency subtracts per output occurrence; presence
+    subtracts once for any output occurrence."""
+    out_mask = counts > 0
+    r = jnp.where(out_mask | prompt_mask, rep[:, None], 1.0)
+    logits = jnp.where(logits > 0, logits / r, logits * r)
+    return logits - freq[:, None] * counts - pres[:, None] * out_mask
+
+
+def filter_logits(logits, top_k, top_p, min_p):
+    """min_p, then top-k, then top-p over what is left (renormalised); masked to -inf."""
     V = logits.shape[-1]
     desc = -jnp.sort(-logits, axis=-1)
-    k = jnp.where(md.top_k <= 0, V, jnp.minimum(md.top_k, V))
-    ranks = jnp.arange(V)[None, :]
-    desc = jnp.where(ranks < k[:, None], desc, -jnp.inf)
     probs = jax.nn.softmax(desc, axis=-1)
-    # keep the smallest prefix whose mass reaches top_p (the first token always stays)
-    keep = (jnp.cumsum(probs, axis=-1) - probs) < md.top_p[:, None]
-    keep &= probs >= md.min_p[:, None] * probs[:, :1]
+    keep = probs >= min_p[:, None] * probs[:, :1]
+    k = jnp.where(top_k <= 0, V, jnp.minimum(top_k, V))
+    keep &= jnp.arange(V)[None, :] < k[:, None]
+    kept = jnp.where(keep, probs, 0.0)
+    kept = kept / kept.sum(-1, keepdims=True)
+    # the smallest prefix whose mass reaches top_p (the first token always stays)
+    keep &= (jnp.cumsum(kept, axis=-1) - kept) < top_p[:, None]
     n_keep = jnp.maximum(jnp.sum(keep, axis=-1), 1)
     threshold = jnp.take_along_axis(desc, (n_keep - 1)[:, None], axis=-1)
-    return jnp.where(logits < threshold, -jnp.inf, logits)
+    return jnp.where(logits < threshold, _NEG_INF, logits)
 
 
-def sample(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
-    """logits: [S, V] f32 -> token ids [S] i32."""
-    greedy_mask = md.temperature < _GREEDY_EPS
+def _logprob_stats(logprobs, chosen):
+    """(logprob of chosen, its rank, top-MAX_LOGPROBS ids and logprobs) per row."""
+    lp = jnp.take_along_axis(logprobs, chosen[:, None], axis=-1)[:, 0]
+    rank = 1 + jnp.sum(logprobs > lp[:, None], axis=-1).astype(jnp.int32)
+    k = min(MAX_LOGPROBS, logprobs.shape[-1])
+    top_lp, top_ids = jax.lax.top_k(logprobs, k)
+    return lp, rank, top_ids.astype(jnp.int32), top_lp
+
+
+def process_logits(logits, md: SamplingMetadata, state: SamplerState):
+    """Everything that changes logits before temperature: masks, bias, penalties."""
+    S, V = logits.shape
+    rows = md.rows
+
+    def bias(x):
+        return x + jnp.where(md.has_bias[:, None], state.bias[rows], 0.0)
+
+    def banned(x):
+        idx = jnp.where(md.banned < 0, V, md.banned)  # out of range: dropped
+        return x.at[jnp.arange(S)[:, None], idx].set(_NEG_INF, mode="drop")
+
+    def min_tokens(x):
+        active = (md.gen_index < md.min_tokens)[:, None]
+        return jnp.where(active & state.stop_mask[rows], _NEG_INF, x)
+
+    def penalties(x):
+        return apply_penalties(x, state.out_counts[rows], state.prompt_mask[rows],
+                               md.repetition_penalty, md.frequency_penalty, md.presence_penalty)
+
+    for flag, fn in ((md.any_bias, bias), (md.any_banned, banned),
+                     (md.any_min_tokens, min_tokens), (md.any_penalty, penalties)):
+        logits = jax.lax.cond(flag, fn, lambda x: x, logits)
+    return logits
+
+
+def sample(logits: jax.Array, md: SamplingMetadata, state: SamplerState):
+    """logits: [S, V] f32 raw -> (tokens and logprobs, updated state)."""
+    S, V = logits.shape
+    raw = logits
+    logits = process_logits(logits, md, state)
+    greedy_mask = md.temperature < GREEDY_EPS
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
-    def random_tokens():
+    def random_tokens(logits):
         temp = jnp.where(greedy_mask, 1.0, md.temperature)
-        scaled = _filter(logits / temp[:, None], md)
+        scaled = logits / temp[:, None]
+        scaled = jax.lax.cond(md.any_filter, filter_logits, lambda x, *_: x, scaled,
+                              md.top_k, md.top_p, md.min_p)
         keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(md.seeds, md.gen_index)
-        gumbel = jax.vmap(lambda key: jax.random.gumbel(key, logits.shape[-1:], jnp.float32))(keys)
+        gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (V,), jnp.float32))(keys)
         return jnp.argmax(scaled + gumbel, axis=-1).astype(jnp.int32)
 
-    # an all-greedy batch skips the sort entirely
-    sampled = jax.lax.cond(jnp.all(greedy_mask), lambda: greedy, random_tokens)
-    return jnp.where(greedy_mask, greedy, sampled)
+    sampled = jax.lax.cond(md.any_random, random_tokens, lambda _: greedy, logits)
+    tokens = jnp.where(greedy_mask, greedy, sampled)
+
+    def stats(raw):
+        return _logprob_stats(jax.nn.log_softmax(raw, axis=-1), tokens)
+
+    k = min(MAX_LOGPROBS, V)
+    zeros = (jnp.zeros(S, jnp.float32), jnp.zeros(S, jnp.int32), jnp.zeros((S, k), jnp.int32),
+             jnp.zeros((S, k), jnp.float32))
+    lp, rank, top_ids, top_lp = jax.lax.cond(md.any_logprobs, stats, lambda _: zeros, raw)
+    counts = state.out_counts.at[md.rows, tokens].add(md.is_final.astype(jnp.int32))
+    state = SamplerState(counts, state.prompt_mask, state.bias, state.stop_mask)
+    return (tokens, lp, rank, top_ids, top_lp), state
+
+
+def prompt_logprobs(compute_logits, hidden: jax.Array, next_ids: jax.Array, num_real: jax.Array,
+                    vocab: int):
+    """Raw logprob (and rank, top ids) of each token's next prompt token, in chunks of tokens
+    so that the [tokens, vocab] logits never exist at once."""
+    T = hidden.shape[0]
+    C = min(T, PROMPT_LP_CHUNK)
+    k = min(MAX_LOGPROBS, vocab)
+
+    def chunk(i, acc):
+        h = jax.lax.dynamic_slice_in_dim(hidden, i * C, C)
+        nxt = jax.lax.dynamic_slice_in_dim(next_ids, i * C, C)
+        logp = jax.nn.log_softmax(compute_logits(h), axis=-1)
+        new = _logprob_stats(logp, jnp.maximum(nxt, 0))
+        return tuple(jax.lax.dynamic_update_slice_in_dim(a, x, i * C, axis=0)
+                     for a, x in zip(acc, new))
+
+    init = (jnp.zeros(T, jnp.float32), jnp.zeros(T, jnp.int32), jnp.zeros((T, k), jnp.int32),
+            jnp.zeros((T, k), jnp.float32))
+    return jax.lax.fori_loop(0, -(-num_real // C), chunk, init)

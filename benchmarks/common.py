@@ -1,0 +1,47 @@
+"""What every benchmark shares: percentiles, the machine line, writing results."""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import shlex
+import sys
+
+import numpy as np
+
+
+def percentiles(values) -> dict:
+    if len(values) == 0:
+        return {"mean": float("nan"), "median": float("nan"), "p99": float("nan"), "n": 0}
+    a = np.asarray(values, dtype=np.float64)
+    return {"mean": float(a.mean()), "median": float(np.median(a)),
+            "p99": float(np.percentile(a, 99)), "n": int(a.size)}
+
+
+def machine() -> str:
+    import jax
+    dev = jax.devices()[0]
+    return (f"{platform.machine()} {os.cpu_count()} cores, jax {jax.__version__} on "
+            f"{dev.platform} ({dev.device_kind})")
+
+
+def command_line() -> str:
+    return "jaxllm " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+
+
+def write_result(args, result: dict, kind: str) -> str:
+    """benchmarks/results/<kind>_<dataset>_<date>_<device>.json (or $OUT), with the command,
+    date and machine that produced it."""
+    result = {"command": command_line(),
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "machine": machine(), **result}
+    os.makedirs(args.results_dir, exist_ok=True)
+    device = "gpu" if " on gpu" in result["machine"] else "cpu"
+    dataset = getattr(args, "dataset_name", None)
+    tag = args.tag or "_".join(x for x in (kind, dataset, datetime.date.today().isoformat(), device) if x)
+    path = os.path.join(args.results_dir, f"{tag}.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"wrote {path}")
+    return path
