@@ -1,4 +1,5 @@
 """jaxllm: a JAX/XLA re-implementation of vLLM."""
+from jaxllm.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from jaxllm.config import EngineConfig
 from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.engine.outputs import CompletionOutput, RequestOutput
@@ -7,4 +8,5 @@ from jaxllm.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput",
-           "CompletionOutput", "__version__"]
+           "CompletionOutput", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence",
+           "__version__"]

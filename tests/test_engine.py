@@ -145,6 +145,20 @@ def test_no_leak_after_finish_and_abort(tiny_llm):
     assert len(engine.runner.batch) == 0 or not engine.scheduler.has_unfinished_requests()
 
 
+def random_params(rng) -> SamplingParams:
+    """A random mix of every sampling knob."""
+    kw = dict(temperature=float(rng.choice([0.0, 0.8])), top_k=int(rng.integers(0, 50)),
+              top_p=float(rng.uniform(0.5, 1.0)), min_p=float(rng.choice([0.0, 0.1])),
+              seed=int(rng.integers(0, 1000)), max_tokens=int(rng.integers(2, 20)))
+    extras = [dict(repetition_penalty=1.3), dict(frequency_penalty=0.5, presence_penalty=0.2),
+              dict(logprobs=3), dict(prompt_logprobs=2), dict(logit_bias={100: 5.0}),
+              dict(allowed_token_ids=list(range(100, 400))), dict(bad_words=["the"]),
+              dict(min_tokens=2), dict(n=2), dict(n=1, best_of=2), dict(stop=["x"]), {}]
+    for i in rng.choice(len(extras), size=2, replace=False):
+        kw.update(extras[i])
+    return SamplingParams(**kw)
+
+
 def test_no_recompilation_after_warmup(tiny_llm):
     compiles = []
 
@@ -157,12 +171,10 @@ def test_no_recompilation_after_warmup(tiny_llm):
     before = engine.runner.num_compiles_after_warmup
     rng = np.random.default_rng(5)
     try:
-        for round_ in range(3):
+        for round_ in range(4):
             n = int(rng.integers(1, 9))
             prompts = [rng.integers(10, 40000, size=int(rng.integers(1, 120))).tolist() for _ in range(n)]
-            params = [SamplingParams(temperature=float(rng.choice([0.0, 0.8])), top_k=int(rng.integers(0, 50)),
-                                     top_p=float(rng.uniform(0.5, 1.0)), seed=int(rng.integers(0, 1000)),
-                                     max_tokens=int(rng.integers(1, 20))) for _ in range(n)]
+            params = [random_params(rng) for _ in range(n)]
             tiny_llm.generate(prompts, params, use_tqdm=False)
     finally:
         jax.monitoring.clear_event_listeners()

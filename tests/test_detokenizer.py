@@ -1,0 +1,91 @@
+"""Incremental detokenization: multi-byte UTF-8 (byte-level BPE and SentencePiece byte
+fallback), stop strings across token boundaries, and the streaming hold-back."""
+import pytest
+
+from jaxllm.engine.detokenizer import IncrementalDetokenizer
+
+
+@pytest.fixture(scope="module")
+def bpe_tokenizer(tokenizer_dir):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(tokenizer_dir)
+
+
+@pytest.fixture(scope="module")
+def byte_fallback_tokenizer(tmp_path_factory):
+    """A SentencePiece BPE trained here on ASCII text: anything else becomes <0xNN> tokens."""
+    import sentencepiece as spm
+    from transformers import LlamaTokenizer
+
+    d = tmp_path_factory.mktemp("sp")
+    corpus = d / "corpus.txt"
+    corpus.write_text("\n".join(f"the quick brown fox jumps over the lazy dog {i} times"
+                                for i in range(300)))
+    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(d / "tokenizer"),
+                                   vocab_size=330, byte_fallback=True, model_type="bpe",
+                                   character_coverage=1.0, minloglevel=2)
+    return LlamaTokenizer.from_pretrained(str(d))
+
+
+def stream(tok, prompt_ids, ids, **kw):
+    detok = IncrementalDetokenizer(tok, prompt_ids, **kw)
+    texts, hit = [], None
+    for t in ids:
+        hit = detok.update([t])
+        texts.append(detok.get_text(finished=hit is not None))
+        if hit is not None:
+            break
+    return detok, texts, hit
+
+
+@pytest.mark.parametrize("text", ["Grüße aus Köln, 世界 🎉 done", "emoji 👩‍👩‍👧 family ok"])
+def test_multibyte_characters_appear_whole(bpe_tokenizer, text):
+    prompt = bpe_tokenizer.encode("Say:", add_special_tokens=False)
+    ids = bpe_tokenizer.encode(text, add_special_tokens=False)
+    assert len(ids) > len(text.split())  # some characters span several tokens
+    detok, texts, _ = stream(bpe_tokenizer, prompt, ids)
+    assert all("\ufffd" not in t for t in texts)
+    assert detok.output_text == bpe_tokenizer.decode(prompt + ids)[len(bpe_tokenizer.decode(prompt)):]
+
+
+def test_byte_fallback_tokens(byte_fallback_tokenizer):
+    tok = byte_fallback_tokenizer
+    ids = tok.encode("fox 世界 é fox", add_special_tokens=False)
+    assert any(t.startswith("<0x") for t in tok.convert_ids_to_tokens(ids))
+    prompt, rest = ids[:2], ids[2:]
+    detok, texts, _ = stream(tok, prompt, rest)
+    assert all("\ufffd" not in t for t in texts)
+    assert detok.output_text == tok.decode(ids)[len(tok.decode(prompt)):]
+    # text only ever grows by whole characters
+    for a, b in zip(texts, texts[1:]):
+        assert b.startswith(a)
+
+
+def test_stop_string_across_tokens_and_holdback(bpe_tokenizer):
+    text = "The answer is forty-two. STOP HERE and nothing after"
+    ids = bpe_tokenizer.encode(text, add_special_tokens=False)
+    stop = "STOP HERE"
+    # the stop string spans several tokens
+    assert len(bpe_tokenizer.encode(stop, add_special_tokens=False)) > 1
+    detok, texts, hit = stream(bpe_tokenizer, [], ids, stop=[stop])
+    assert hit == stop and detok.output_text == "The answer is forty-two. "
+    # nothing streamed before the end shows a part of the stop string
+    for t in texts:
+        assert "S" not in t and detok.output_text.startswith(t)
+    kept, _, _ = stream(bpe_tokenizer, [], ids, stop=[stop], include_stop_str_in_output=True)
+    assert kept.output_text == "The answer is forty-two. STOP HERE"
+
+
+def test_earliest_of_several_stop_strings(bpe_tokenizer):
+    ids = bpe_tokenizer.encode("alpha beta gamma delta", add_special_tokens=False)
+    detok, _, hit = stream(bpe_tokenizer, [], ids, stop=["delta", "beta"])
+    assert hit == "beta" and detok.output_text == "alpha "
+
+
+def test_special_tokens_skipped_or_kept(bpe_tokenizer):
+    eos = bpe_tokenizer.eos_token_id
+    ids = bpe_tokenizer.encode("hi there", add_special_tokens=False) + [eos]
+    skipped, _, _ = stream(bpe_tokenizer, [], ids, skip_special_tokens=True)
+    kept, _, _ = stream(bpe_tokenizer, [], ids, skip_special_tokens=False)
+    assert skipped.output_text == "hi there"
+    assert kept.output_text == "hi there" + bpe_tokenizer.eos_token
