@@ -94,6 +94,16 @@ def cmd_chat(args) -> int:
         print(reply, flush=True)
 
 
+def cmd_serve(args) -> int:
+    from serve.server import run_server
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise SystemExit("give the model once: as MODEL or as --model")
+        args.model = args.model_tag
+    return run_server(engine_config_from_args(args), args.host, args.port, args.served_model_name,
+                      args.api_key, args.max_queue_len, args.shutdown_timeout, args.log_interval)
+
+
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     parser = argparse.ArgumentParser(prog="jaxllm")
@@ -111,6 +121,21 @@ def main(argv=None) -> int:
     add_engine_args(p)
     _sampling_args(p, max_tokens=256, temperature=0.0)
     p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("serve", help="the OpenAI-compatible server")
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="HF directory or GGUF file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--api-key", default=None, help="require this bearer key on /v1 (or JAXLLM_API_KEY)")
+    p.add_argument("--max-queue-len", type=int, default=None,
+                   help="answer 429 while this many requests wait")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish on SIGTERM")
+    p.add_argument("--log-interval", type=float, default=10.0, help="seconds between stats lines")
+    add_engine_args(p)
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("bench", help="benchmarks")
     bench = p.add_subparsers(dest="bench_command", required=True)

@@ -9,7 +9,7 @@ from tqdm.auto import tqdm
 from jaxllm.config import EngineConfig
 from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.engine.outputs import RequestOutput
-from jaxllm.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence, beam_score
+from jaxllm.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from jaxllm.runner.sampler import MAX_LOGPROBS
 from jaxllm.sampling_params import SamplingParams
 
@@ -76,47 +76,18 @@ class LLM:
         if isinstance(prompts, (str, dict)) or _is_token_list(prompts):
             prompts = [prompts]
         engine = self.llm_engine
-        eos = engine.eos_token_id
-        width = params.beam_width
-        if 2 * width > MAX_LOGPROBS:
-            raise ValueError(f"beam_width must be at most {MAX_LOGPROBS // 2}, got {width}")
-        step_params = SamplingParams(logprobs=2 * width, max_tokens=1, temperature=params.temperature)
-
-        def score(beam):
-            return beam_score(beam.tokens, beam.cum_logprob, eos, params.length_penalty)
-
-        live, done = [], []
-        for prompt in prompts:
-            _, ids, _ = engine.validate_request(prompt, SamplingParams(max_tokens=params.max_tokens))
-            live.append([BeamSearchSequence(list(ids))])
-            done.append([])
-        for _ in tqdm(range(params.max_tokens), desc="beam search", disable=not use_tqdm):
-            flat = [(i, beam) for i, beams in enumerate(live) for beam in beams]
-            if not flat:
-                break
-            outs = self.generate([{"prompt_token_ids": b.tokens} for _, b in flat], step_params,
+        if 2 * params.beam_width > MAX_LOGPROBS:
+            raise ValueError(f"beam_width must be at most {MAX_LOGPROBS // 2}, got {params.beam_width}")
+        ids = [engine.validate_request(p, SamplingParams(max_tokens=params.max_tokens))[1] for p in prompts]
+        search = BeamSearch(ids, params, engine.eos_token_id)
+        bar = tqdm(total=params.max_tokens, desc="beam search", disable=not use_tqdm)
+        while pending := search.pending():
+            outs = self.generate([{"prompt_token_ids": t} for t in pending], search.step_params(),
                                  use_tqdm=False)
-            grown = [[] for _ in live]
-            for (i, beam), out in zip(flat, outs):
-                for token, lp in out.outputs[0].logprobs[0].items():
-                    new = BeamSearchSequence(beam.tokens + [token], beam.logprobs + [{token: lp}],
-                                             beam.cum_logprob + lp.logprob)
-                    if token == eos and not params.ignore_eos:
-                        new.finish_reason, new.stop_reason = "stop", None
-                        done[i].append(new)
-                    else:
-                        grown[i].append(new)
-            live = [sorted(g, key=score, reverse=True)[:width] for g in grown]
-        tok = self.get_tokenizer()
-        results = []
-        for beams, finished in zip(live, done):
-            for b in beams:
-                b.finish_reason = b.finish_reason or "length"
-            best = sorted(finished + beams, key=score, reverse=True)[:width]
-            for b in best:
-                b.text = tok.decode(b.tokens, skip_special_tokens=True) if tok is not None else None
-            results.append(BeamSearchOutput(best))
-        return results
+            search.advance([o.outputs[0].logprobs[0] for o in outs])
+            bar.update(1)
+        bar.close()
+        return search.results(self.get_tokenizer())
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True,
              add_generation_prompt: bool = True, chat_template: str | None = None) -> list[RequestOutput]:

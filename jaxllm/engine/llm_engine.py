@@ -101,6 +101,8 @@ class LLMEngine:
         self._rng = np.random.default_rng(config.seed)
         self._children: dict[str, _Child] = {}
         self._token_text: dict[int, str] = {}
+        self.num_prompt_tokens = 0       # prompt tokens computed (prefix-cache hits excluded)
+        self.num_generation_tokens = 0
         self._parents: dict[str, _Parent] = {}
         self.startup_seconds = time.perf_counter() - start
         logger.info("engine ready in %.1f s (model %s, dtype %s, %s)", self.startup_seconds,
@@ -273,17 +275,22 @@ class LLMEngine:
     # one iteration
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
+        scheduled_at = time.time()
         res = self.runner.execute_model(out)
         now = time.time()
-        for rid in out.num_scheduled_tokens:
+        for rid, n in out.num_scheduled_tokens.items():
             child = self._children.get(rid)
             if child is not None:
+                req = child.request
+                self.num_prompt_tokens += max(0, min(req.num_computed_tokens + n, req.num_prompt_tokens)
+                                              - req.num_computed_tokens)
                 m = self._parents[child.parent_id].metrics
                 if m.first_scheduled_time is None:
-                    m.first_scheduled_time = now
+                    m.first_scheduled_time = scheduled_at
         for rid, (start, entries) in res.prompt_logprobs.items():
             self._add_prompt_logprobs(rid, start, entries)
         updates = self.scheduler.update_from_output(out, res.sampled)
+        self.num_generation_tokens += len(updates)
         touched = {}
         for upd in updates:
             child = self._children[upd.request.request_id]
@@ -370,5 +377,7 @@ class LLMEngine:
             "num_swaps": sched.num_swaps,
             "prefix_cache_queries": kv.prefix_queries,
             "prefix_cache_hits": kv.prefix_hits,
+            "prompt_tokens": self.num_prompt_tokens,
+            "generation_tokens": self.num_generation_tokens,
         }
 

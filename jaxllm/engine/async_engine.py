@@ -1,0 +1,162 @@
+"""AsyncEngine: the engine loop on its own thread, bridged to asyncio.
+
+All requests share one continuous batch. The engine thread owns the LLMEngine: it takes new
+requests and aborts from an inbox between steps, runs a step whenever there is work, and hands
+each output to the asyncio queue of its request with call_soon_threadsafe, so the event loop
+never waits on the device.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable
+
+from jaxllm.config import EngineConfig
+from jaxllm.engine.llm_engine import LLMEngine
+from jaxllm.engine.outputs import RequestOutput
+from jaxllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("jaxllm")
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+    def put(self, item) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig, on_step: Callable[[LLMEngine, list, float], None] | None = None):
+        self.config = config
+        self.engine: LLMEngine | None = None
+        self.ready = threading.Event()
+        self.error: BaseException | None = None
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()
+        self._stopping = False
+        self._on_step = on_step
+        self._thread = threading.Thread(target=self._run, name="jaxllm-engine", daemon=True)
+
+    # lifecycle
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        self._inbox.put(("wake", None))
+        self._thread.join(timeout)
+
+    @property
+    def is_ready(self) -> bool:
+        return self.ready.is_set() and self.error is None
+
+    def _run(self) -> None:
+        try:
+            self.engine = LLMEngine(self.config)
+        except BaseException as e:  # a start-up failure is reported by /health
+            logger.exception("engine failed to start")
+            self.error = e
+            return
+        self.ready.set()
+        engine = self.engine
+        try:
+            while not self._stopping:
+                if self._drain_inbox(block=not engine.has_unfinished_requests()) and self._on_step:
+                    self._on_step(engine, [], 0.0)  # aborts change the gauges too
+                if not engine.has_unfinished_requests():
+                    continue
+                start = time.perf_counter()
+                outputs = engine.step()
+                elapsed = time.perf_counter() - start
+                for out in outputs:
+                    stream = self._streams.get(out.request_id)
+                    if stream is not None:
+                        stream.put(out)
+                        if out.finished:
+                            self._streams.pop(out.request_id, None)
+                if self._on_step is not None:
+                    self._on_step(engine, outputs, elapsed)
+        except BaseException as e:
+            logger.exception("engine loop died")
+            self.error = e
+            for stream in list(self._streams.values()):
+                stream.put(EngineDeadError(str(e)))
+
+    def _drain_inbox(self, block: bool) -> bool:
+        """Takes queued adds and aborts; True if there were any."""
+        engine = self.engine
+        took = False
+        while True:
+            try:
+                op, arg = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+            except queue.Empty:
+                return took
+            block, took = False, True
+            if op == "add":
+                request_id, prompt, params, priority = arg
+                try:
+                    engine.add_request(request_id, prompt, params, priority=priority)
+                except Exception as e:  # validation: the request fails, nothing else does
+                    stream = self._streams.pop(request_id, None)
+                    if stream is not None:
+                        stream.put(e)
+            elif op == "abort":
+                engine.abort_request(arg)
+                self._streams.pop(arg, None)
+
+    # requests
+    def submit(self, request_id: str, prompt, params: SamplingParams,
+               priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Queue a request now (so admission control sees it at once) and return the stream
+        of its outputs; the request is aborted (its blocks freed) if the consumer stops early,
+        is cancelled, or never starts."""
+        if self.error is not None:
+            raise EngineDeadError(str(self.error))
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            self._streams[request_id] = stream
+        self._inbox.put(("add", (request_id, prompt, params, priority)))
+        return self._outputs(request_id, stream)
+
+    async def _outputs(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, Exception):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    async def generate(self, request_id: str, prompt, params: SamplingParams,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        async for out in self.submit(request_id, prompt, params, priority):
+            yield out
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+
+    def num_waiting(self) -> int:
+        """Requests queued in the engine plus those not yet handed to it."""
+        engine = self.engine
+        return (engine.scheduler.num_waiting if engine is not None else 0) + self._inbox.qsize()

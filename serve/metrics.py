@@ -1,0 +1,104 @@
+"""Prometheus metrics named like vLLM's, with a `jaxllm:` prefix, and the periodic log line."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+logger = logging.getLogger("jaxllm")
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                    5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                 7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+class Metrics:
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        r, labels = self.registry, ["model_name"]
+        self.model_name = model_name
+
+        def gauge(name, doc):
+            return Gauge(f"jaxllm:{name}", doc, labels, registry=r).labels(model_name)
+
+        def counter(name, doc):
+            return Counter(f"jaxllm:{name}", doc, labels, registry=r).labels(model_name)
+
+        def histogram(name, doc, buckets):
+            return Histogram(f"jaxllm:{name}", doc, labels, buckets=buckets, registry=r).labels(model_name)
+
+        self.running = gauge("num_requests_running", "Requests in the running batch.")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent.")
+        self.prompt_tokens = counter("prompt_tokens", "Prefill tokens processed.")
+        self.generation_tokens = counter("generation_tokens", "Generation tokens processed.")
+        self.preemptions = counter("num_preemptions", "Cumulative number of preemptions.")
+        self.prefix_queries = counter("prefix_cache_queries", "Prefix-cache queries, in tokens.")
+        self.prefix_hits = counter("prefix_cache_hits", "Prefix-cache hits, in tokens.")
+        self._success = Counter("jaxllm:request_success", "Successfully processed requests.",
+                                ["model_name", "finished_reason"], registry=r)
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
+        self.tpot = histogram("time_per_output_token_seconds", "Time per output token.", _TPOT_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency.", _LATENCY_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds", "Time spent waiting in the queue.",
+                                    _LATENCY_BUCKETS)
+        self._last = {}
+        self._lock = threading.Lock()
+        # for the periodic log line
+        self._window_prompt = 0
+        self._window_gen = 0
+        self._window_start = time.monotonic()
+
+    def on_step(self, engine, outputs, elapsed: float) -> None:
+        """Called by the engine thread after every step."""
+        s = engine.stats()
+        self.running.set(s["num_requests_running"])
+        self.waiting.set(s["num_requests_waiting"])
+        self.kv_usage.set(s["kv_cache_usage_perc"])
+        with self._lock:
+            for key, metric in (("num_preemptions", self.preemptions),
+                                ("prefix_cache_queries", self.prefix_queries),
+                                ("prefix_cache_hits", self.prefix_hits),
+                                ("prompt_tokens", self.prompt_tokens),
+                                ("generation_tokens", self.generation_tokens)):
+                delta = s[key] - self._last.get(key, 0)
+                if delta > 0:
+                    metric.inc(delta)
+                self._last[key] = s[key]
+                if key == "prompt_tokens":
+                    self._window_prompt += delta
+                elif key == "generation_tokens":
+                    self._window_gen += delta
+
+    def on_finished(self, out) -> None:
+        """Per-request latencies, once a request is done."""
+        m = out.metrics
+        for c in out.outputs:
+            if c.finish_reason is not None and c.finish_reason != "abort":
+                self._success.labels(self.model_name, c.finish_reason).inc()
+        if m.first_token_time is not None:
+            self.ttft.observe(m.first_token_time - m.arrival_time)
+        if m.first_scheduled_time is not None:
+            self.queue_time.observe(m.first_scheduled_time - m.arrival_time)
+        if m.finished_time is not None:
+            self.e2e.observe(m.finished_time - m.arrival_time)
+            n = max(len(c.token_ids) for c in out.outputs)
+            if n > 1 and m.first_token_time is not None:
+                self.tpot.observe((m.finished_time - m.first_token_time) / (n - 1))
+
+    def log_line(self, engine) -> str:
+        with self._lock:
+            now = time.monotonic()
+            secs = max(now - self._window_start, 1e-9)
+            prompt_tps, gen_tps = self._window_prompt / secs, self._window_gen / secs
+            self._window_prompt = self._window_gen = 0
+            self._window_start = now
+        s = engine.stats()
+        line = (f"Avg prompt throughput: {prompt_tps:.1f} tokens/s, Avg generation throughput: "
+                f"{gen_tps:.1f} tokens/s, Running: {s['num_requests_running']} reqs, Waiting: "
+                f"{s['num_requests_waiting']} reqs, KV cache usage: {100 * s['kv_cache_usage_perc']:.1f}%")
+        logger.info(line)
+        return line
