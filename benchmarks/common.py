@@ -26,16 +26,19 @@ def machine() -> str:
             f"{dev.platform} ({dev.device_kind})")
 
 
-def command_line() -> str:
-    return "jaxllm " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+def command_line(args=None) -> str:
+    argv = getattr(args, "argv", None)
+    return "jaxllm " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
 
 
 def write_result(args, result: dict, kind: str) -> str:
     """benchmarks/results/<kind>_<dataset>_<date>_<device>.json (or $OUT), with the command,
     date and machine that produced it."""
-    result = {"command": command_line(),
-              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "machine": machine(), **result}
+    full = {"command": command_line(args),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "machine": machine(), **result}
+    result.clear()
+    result.update(full)  # the caller's dict carries the provenance too
     os.makedirs(args.results_dir, exist_ok=True)
     device = "gpu" if " on gpu" in result["machine"] else "cpu"
     dataset = getattr(args, "dataset_name", None)
@@ -45,3 +48,9 @@ def write_result(args, result: dict, kind: str) -> str:
         json.dump(result, f, indent=2)
     print(f"wrote {path}")
     return path
+
+
+def memory_line(m: dict) -> str:
+    return (f"KV cache: {m['kv_waste_perc']:.2f}% of allocated slots unused over the run; peak "
+            f"{m['peak_running_seqs']} sequences at once, where static max-length preallocation "
+            f"({m['max_model_len']} tokens each) admits {m['static_prealloc_seqs']}")

@@ -11,7 +11,7 @@ import time
 import numpy as np
 
 from benchmarks import datasets
-from benchmarks.common import percentiles, write_result
+from benchmarks.common import memory_line, percentiles, write_result
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -100,6 +100,7 @@ def run_jaxllm(llm, rounds, chat) -> dict:
             generate_round(samples)
     secs = time.perf_counter() - start
     return {
+        "memory": engine.memory_report(),
         "seconds": secs, "requests": len(ttft), "requests_per_s": len(ttft) / secs,
         "output_tokens": n_out, "output_tokens_per_s": n_out / secs,
         "total_tokens_per_s": (n_in + n_out) / secs, "prompt_tokens": n_in,
@@ -199,6 +200,7 @@ def run(args) -> int:
         result["workload"].update(num_turns=args.num_turns, system_len=args.system_len)
     result["jaxllm"] = run_jaxllm(llm, rounds, chat)
     print(_line("jaxllm", result["jaxllm"]))
+    print(memory_line(result["jaxllm"]["memory"]))
     del llm, engine
     gc.collect()
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import logging
 import sys
 
@@ -139,13 +140,19 @@ def main(argv=None) -> int:
 
     p = sub.add_parser("bench", help="benchmarks")
     bench = p.add_subparsers(dest="bench_command", required=True)
-    from benchmarks.throughput import add_args as add_throughput_args
-    bt = bench.add_parser("throughput", help="offline throughput against HF transformers")
-    add_engine_args(bt)
-    add_throughput_args(bt)
-    bt.set_defaults(func=lambda a: __import__("benchmarks.throughput", fromlist=["run"]).run(a))
+    for name, module, help_, engine in (
+            ("throughput", "throughput", "offline throughput against HF transformers", True),
+            ("latency", "latency", "TTFT and decode step time at batch 1 and N", True),
+            ("serve", "serve", "online load against an OpenAI-compatible server", False)):
+        mod = importlib.import_module(f"benchmarks.{module}")
+        b = bench.add_parser(name, help=help_)
+        if engine:
+            add_engine_args(b)
+        mod.add_args(b)
+        b.set_defaults(func=mod.run)
 
     args = parser.parse_args(argv)
+    args.argv = list(argv) if argv is not None else sys.argv[1:]  # reports record the command
     return args.func(args) or 0
 
 

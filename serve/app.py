@@ -147,6 +147,12 @@ class OpenAIServer:
                            code="invalid_api_key")
 
     # helpers
+    @staticmethod
+    def _tokenizer(engine):
+        if engine.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer: send token-id prompts", param="prompt")
+        return engine.tokenizer
+
     def _engine(self):
         if self.engine.error is not None:
             raise EngineDeadError(str(self.engine.error))
@@ -223,7 +229,7 @@ class OpenAIServer:
             step += 1
         seqs = search.results()[0].sequences
         for s in seqs:
-            s.text = engine.tokenizer.decode(s.tokens[len(ids):], skip_special_tokens=True)
+            s.text = engine.tokenizer.decode(s.tokens[len(ids):], skip_special_tokens=True) if engine.tokenizer else ""
         return seqs
 
     def _beam_choices(self, seqs, prompt_len: int, chat: bool, offset: int = 0) -> list[dict]:
@@ -335,7 +341,7 @@ class OpenAIServer:
         body = await self._body(request, TokenizeRequest)
         self._check_model(body.model)
         engine = self._engine()
-        tok = engine.tokenizer
+        tok = self._tokenizer(engine)
         if body.messages is not None:
             ids = self._chat_ids(engine, [m.plain() for m in body.messages], body.add_generation_prompt,
                                  False, None)
@@ -352,7 +358,7 @@ class OpenAIServer:
         engine = self._engine()
         if any(t < 0 or t >= engine.arch.vocab_size for t in body.tokens):
             raise APIError(400, "tokens contain ids outside the vocabulary", param="tokens")
-        return JSONResponse({"prompt": engine.tokenizer.decode(body.tokens)})
+        return JSONResponse({"prompt": self._tokenizer(engine).decode(body.tokens)})
 
     # completions
     async def completions(self, request: Request):
@@ -370,7 +376,7 @@ class OpenAIServer:
             if not ids:
                 raise APIError(400, "prompt is empty: it must contain at least one token", param="prompt")
             params = self._params(body, len(ids), body.max_tokens)
-            text = p if isinstance(p, str) else engine.tokenizer.decode(ids)
+            text = p if isinstance(p, str) else (engine.tokenizer.decode(ids) if engine.tokenizer else "")
             if not body.use_beam_search:
                 self._validate({"prompt_token_ids": ids, **_salt(body)}, params)
             items.append((ids, text, params))
@@ -443,7 +449,7 @@ class OpenAIServer:
 
     # chat
     def _chat_ids(self, engine, messages, add_generation_prompt, continue_final, template):
-        tok = engine.tokenizer
+        tok = self._tokenizer(engine)
         try:
             text = tok.apply_chat_template(messages, tokenize=False,
                                            add_generation_prompt=add_generation_prompt and not continue_final,
@@ -621,7 +627,7 @@ async def _merge(gens: list[AsyncIterator]):
 
 
 def _token_str(engine, token_id: int) -> str:
-    return engine._decoded(token_id) or ""
+    return engine.token_text(token_id) or ""
 
 
 def _completion_logprobs(engine, out, c, echo: bool, start: int) -> dict:

@@ -38,6 +38,11 @@ class Metrics:
         self.preemptions = counter("num_preemptions", "Cumulative number of preemptions.")
         self.prefix_queries = counter("prefix_cache_queries", "Prefix-cache queries, in tokens.")
         self.prefix_hits = counter("prefix_cache_hits", "Prefix-cache hits, in tokens.")
+        self.kv_slot_steps = counter("kv_slots_allocated_steps", "KV slots held by running requests, summed over steps.")
+        self.kv_waste_steps = counter("kv_slots_wasted_steps", "Held KV slots holding no token, summed over steps.")
+        self.peak_running = gauge("peak_num_requests_running", "Most requests running at once so far.")
+        self.kv_total_slots = gauge("kv_cache_total_slots", "KV-cache capacity in tokens.")
+        self.max_model_len = gauge("max_model_len", "Longest prompt plus output.")
         self._success = Counter("jaxllm:request_success", "Successfully processed requests.",
                                 ["model_name", "finished_reason"], registry=r)
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
@@ -59,7 +64,12 @@ class Metrics:
         self.waiting.set(s["num_requests_waiting"])
         self.kv_usage.set(s["kv_cache_usage_perc"])
         with self._lock:
+            self.peak_running.set(s["peak_running"])
+            self.kv_total_slots.set(s["kv_total_slots"])
+            self.max_model_len.set(engine.config.max_model_len)
             for key, metric in (("num_preemptions", self.preemptions),
+                                ("kv_slot_steps", self.kv_slot_steps),
+                                ("kv_waste_slot_steps", self.kv_waste_steps),
                                 ("prefix_cache_queries", self.prefix_queries),
                                 ("prefix_cache_hits", self.prefix_hits),
                                 ("prompt_tokens", self.prompt_tokens),

@@ -103,6 +103,9 @@ class LLMEngine:
         self._token_text: dict[int, str] = {}
         self.num_prompt_tokens = 0       # prompt tokens computed (prefix-cache hits excluded)
         self.num_generation_tokens = 0
+        self.kv_slot_steps = 0            # memory accounting, summed over steps
+        self.kv_waste_slot_steps = 0
+        self.peak_running = 0
         self._parents: dict[str, _Parent] = {}
         self.startup_seconds = time.perf_counter() - start
         logger.info("engine ready in %.1f s (model %s, dtype %s, %s)", self.startup_seconds,
@@ -241,7 +244,7 @@ class LLMEngine:
                     out.append(ids)
         return out
 
-    def _decoded(self, token_id: int) -> str | None:
+    def token_text(self, token_id: int) -> str | None:
         if self.tokenizer is None:
             return None
         text = self._token_text.get(token_id)
@@ -250,10 +253,10 @@ class LLMEngine:
         return text
 
     def _position_logprobs(self, token: int, lp) -> dict:
-        entry = {token: Logprob(lp.logprob, lp.rank, self._decoded(token))}
+        entry = {token: Logprob(lp.logprob, lp.rank, self.token_text(token))}
         for rank, (tid, val) in enumerate(zip(lp.top_ids, lp.top_logprobs), start=1):
             if tid not in entry:
-                entry[tid] = Logprob(val, rank, self._decoded(tid))
+                entry[tid] = Logprob(val, rank, self.token_text(tid))
         return entry
 
     def abort_request(self, request_id) -> None:
@@ -291,6 +294,7 @@ class LLMEngine:
             self._add_prompt_logprobs(rid, start, entries)
         updates = self.scheduler.update_from_output(out, res.sampled)
         self.num_generation_tokens += len(updates)
+        self._account_memory()
         touched = {}
         for upd in updates:
             child = self._children[upd.request.request_id]
@@ -310,6 +314,30 @@ class LLMEngine:
             m.last_token_time = now
             touched[child.parent_id] = None
         return [self._make_output(pid) for pid in touched]
+
+    def _account_memory(self) -> None:
+        """KV slots held by running requests against slots holding a token, once per step.
+        Shared (prefix-cached or forked) blocks are full, so a block's empty slots belong
+        to the one request whose table ends in it."""
+        kv, bs = self.kv_manager, self.config.block_size
+        running = self.scheduler.running
+        if not running:
+            return
+        allocated = (kv.pool.num_usable_blocks - kv.num_free_blocks) * bs
+        waste = sum(len(kv.get_blocks(r.request_id)) * bs - r.num_computed_tokens for r in running)
+        self.kv_slot_steps += allocated
+        self.kv_waste_slot_steps += min(max(waste, 0), allocated)
+        self.peak_running = max(self.peak_running, len(running))
+
+    def memory_report(self) -> dict:
+        """Waste of allocated KV slots over the run so far, peak concurrency, and what static
+        max-length preallocation would have admitted with the same memory."""
+        total = self.kv_manager.pool.num_usable_blocks * self.config.block_size
+        waste = self.kv_waste_slot_steps / self.kv_slot_steps if self.kv_slot_steps else 0.0
+        return {"kv_total_slots": total, "kv_waste_perc": 100.0 * waste,
+                "peak_running_seqs": self.peak_running,
+                "static_prealloc_seqs": total // self.config.max_model_len,
+                "max_model_len": self.config.max_model_len}
 
     def _add_prompt_logprobs(self, rid: str, start: int, entries) -> None:
         child = self._children.get(rid)
@@ -379,5 +407,9 @@ class LLMEngine:
             "prefix_cache_hits": kv.prefix_hits,
             "prompt_tokens": self.num_prompt_tokens,
             "generation_tokens": self.num_generation_tokens,
+            "kv_slot_steps": self.kv_slot_steps,
+            "kv_waste_slot_steps": self.kv_waste_slot_steps,
+            "peak_running": self.peak_running,
+            "kv_total_slots": self.kv_manager.pool.num_usable_blocks * self.config.block_size,
         }
 

@@ -133,7 +133,15 @@ def load_model(model: str | None, dtype, load_format: str = "auto", seed: int = 
             return jnp.asarray(weights[".".join(keys)], dtype=dtype)
 
         state = jax.tree_util.tree_map_with_path(fill, abstract_state)
-    tok = _load_tokenizer(tokenizer or path, None if tokenizer else gguf_file) if load_tokenizer else None
+    tok = None
+    if load_tokenizer:
+        try:
+            tok = _load_tokenizer(tokenizer or path, None if tokenizer else gguf_file)
+        except (OSError, ValueError) as e:
+            if not dummy:
+                raise ValueError(f"cannot load the tokenizer of {path}: {e}") from e
+            # a bare config.json of real shapes: token-id prompts only
+            logger.warning("no tokenizer for %s (%s); prompts must be token ids", path, e)
     eos = arch.eos_token_id
     if isinstance(eos, list):
         eos = eos[0] if eos else None

@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# One command for a GPU machine: the GPU tests (Pallas kernels compiled for real, parity with
+# their references), the kernel benchmark, and the latency, throughput and serving benchmarks on
+# a Llama-3-8B-shaped model with random bf16 weights (gpu_memory_utilization 0.9).
+# Results go under $OUT/results when OUT is set (the device tool brings $OUT back), else
+# benchmarks/results. SUITE_MODEL / SUITE_SCALE=small shrink it for a dry run on a CPU.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+RESULTS="${OUT:+$OUT/results}"
+RESULTS="${RESULTS:-benchmarks/results}"
+mkdir -p "$RESULTS"
+MODEL="${SUITE_MODEL:-benchmarks/configs/llama-3-8b}"
+STAMP="$(date -u +%Y-%m-%d)"
+DEVICE="$(python3 -c 'import jax; d = jax.devices()[0]; print(d.device_kind.replace(" ", "-"))' 2>/dev/null || echo unknown)"
+TAG="${STAMP}_${DEVICE}"
+# a compilation cache inside the checkout survives between calls on the same machine
+export JAXLLM_COMPILATION_CACHE_DIR="${JAXLLM_COMPILATION_CACHE_DIR:-$PWD/.cache/xla}"
+LOG="$RESULTS/gpu_suite_${TAG}.log"
+status=0
+
+if [ "${SUITE_SCALE:-full}" = small ]; then
+  ENGINE=(--model "$MODEL" --load-format dummy --max-model-len 256 --max-num-seqs 8
+          --max-num-batched-tokens 64)
+  N_THROUGHPUT=8; N_SERVE=8; CONC=1,4; BATCH=4; KGRID=small
+else
+  ENGINE=(--model "$MODEL" --load-format dummy --dtype bfloat16 --gpu-memory-utilization 0.9
+          --max-model-len 4096 --max-num-seqs 256 --max-num-batched-tokens 8192)
+  N_THROUGHPUT=1000; N_SERVE=400; CONC=16,64,256; BATCH=32; KGRID=full
+fi
+
+step() {  # step NAME CMD...: run, log, remember failures, go on
+  local name=$1; shift
+  echo "=== $name: $*" | tee -a "$LOG"
+  local t0=$SECONDS
+  "$@" 2>&1 | tee -a "$LOG"
+  local rc=${PIPESTATUS[0]}
+  echo "=== $name: exit $rc after $((SECONDS - t0)) s" | tee -a "$LOG"
+  [ "$rc" -eq 0 ] || status=1
+}
+
+{ nvidia-smi || true; python3 -c 'import jax; print(jax.__version__, jax.devices())'; } 2>&1 | tee -a "$LOG"
+
+step "gpu tests" env JAXLLM_GPU_TESTS=1 python3 -m pytest -q tests/test_kernels.py
+step "kernel benchmark" python3 -m jaxllm.cli bench kernels --grid "$KGRID" \
+  --results-dir "$RESULTS" --tag "kernels_${TAG}"
+step "latency" python3 -m jaxllm.cli bench latency "${ENGINE[@]}" --input-len 512 \
+  --output-len 64 --batch-size "$BATCH" --num-iters 3 --results-dir "$RESULTS" --tag "latency_${TAG}"
+step "throughput (ShareGPT-like mix)" python3 -m jaxllm.cli bench throughput "${ENGINE[@]}" \
+  --dataset-name sharegpt --num-prompts "$N_THROUGHPUT" --no-hf-baseline \
+  --results-dir "$RESULTS" --tag "throughput_sharegpt_${TAG}"
+
+PORT=8765
+python3 -m jaxllm.cli serve "${ENGINE[@]}" --port "$PORT" --log-interval 30 \
+  > "$RESULTS/serve_server_${TAG}.log" 2>&1 &
+SERVER=$!
+for _ in $(seq 1 600); do
+  curl -sf "http://127.0.0.1:$PORT/health/ready" > /dev/null && break
+  kill -0 "$SERVER" 2> /dev/null || break
+  sleep 1
+done
+step "serving" python3 -m jaxllm.cli bench serve --base-url "http://127.0.0.1:$PORT" \
+  --dataset-name sharegpt --num-prompts "$N_SERVE" --max-concurrency "$CONC" --ignore-eos \
+  --max-model-len 4096 --vocab-size 128000 --save-result --plot --results-dir "$RESULTS" \
+  --tag "serve_sharegpt_${TAG}"
+kill -TERM "$SERVER" 2> /dev/null
+wait "$SERVER"
+
+echo "results in $RESULTS (status $status)" | tee -a "$LOG"
+exit $status

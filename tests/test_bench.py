@@ -1,0 +1,157 @@
+"""Every benchmark command end to end on a tiny model, writing well-formed reports."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from conftest import read_json
+from jaxllm.cli import main
+
+ENGINE = ["--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--max-model-len", "256"]
+
+
+def run_cli(*argv):
+    assert main(list(argv)) == 0
+
+
+def test_throughput_random_with_hf_baseline(tiny_llama, tmp_path):
+    run_cli("bench", "throughput", "--model", tiny_llama, *ENGINE, "--num-prompts", "6",
+            "--input-len", "20", "--output-len", "8", "--results-dir", str(tmp_path), "--tag", "t")
+    r = read_json(tmp_path / "t.json")
+    assert r["command"].startswith("jaxllm bench throughput") and r["machine"] and r["date"]
+    j, hf = r["jaxllm"], r["hf_transformers"]
+    assert j["requests"] == 6 and j["output_tokens"] == 48 and hf["output_tokens"] == 48
+    assert r["ratio_vs_hf"] == pytest.approx(j["output_tokens_per_s"] / hf["output_tokens_per_s"])
+    mem = j["memory"]
+    assert 0 <= mem["kv_waste_perc"] < 100 and mem["peak_running_seqs"] >= 1
+    assert mem["static_prealloc_seqs"] == mem["kv_total_slots"] // 256
+
+
+def test_throughput_prefix_chat_and_sharegpt_mix(tiny_llama, tmp_path):
+    run_cli("bench", "throughput", "--model", tiny_llama, *ENGINE, "--dataset-name", "prefix-chat",
+            "--num-prompts", "3", "--num-turns", "2", "--system-len", "40", "--input-len", "6",
+            "--output-len", "4", "--no-hf-baseline", "--results-dir", str(tmp_path), "--tag", "chat")
+    r = read_json(tmp_path / "chat.json")
+    assert r["jaxllm"]["requests"] == 6 and r["jaxllm_no_prefix_caching"]["requests"] == 6
+    assert r["jaxllm"]["cached_prompt_tokens"] > 0
+    assert r["jaxllm_no_prefix_caching"]["cached_prompt_tokens"] == 0
+    assert r["ratio_vs_no_prefix_caching"] > 0
+    run_cli("bench", "throughput", "--model", tiny_llama, *ENGINE, "--dataset-name", "sharegpt",
+            "--num-prompts", "5", "--no-hf-baseline", "--results-dir", str(tmp_path), "--tag", "mix")
+    r = read_json(tmp_path / "mix.json")
+    assert r["jaxllm"]["requests"] == 5 and r["jaxllm"]["output_tokens"] > 0
+
+
+def test_sharegpt_like_lengths():
+    import numpy as np
+    from benchmarks import datasets
+    src = datasets.TokenSource(32000, set(), 0)
+    samples = datasets.sharegpt_like(src, 3000, 4096)
+    n_in = np.array([len(s.prompt_token_ids) for s in samples])
+    n_out = np.array([s.output_len for s in samples])
+    assert 170 < n_in.mean() < 230 and 150 < n_out.mean() < 210
+    assert np.percentile(n_in, 99) > 4 * np.median(n_in)  # a long tail
+    assert (n_in + n_out <= 4096).all()
+
+
+def test_latency(tiny_llama, tmp_path):
+    run_cli("bench", "latency", "--model", tiny_llama, *ENGINE, "--input-len", "16",
+            "--output-len", "6", "--batch-size", "4", "--num-iters", "2", "--results-dir",
+            str(tmp_path), "--tag", "lat")
+    r = read_json(tmp_path / "lat.json")
+    for key in ("batch_1", "batch_4"):
+        assert r[key]["decode_step_s"]["n"] > 0 and r[key]["ttft_s"]["mean"] > 0
+        assert r[key]["e2e_s"]["n"] == 2
+
+
+def test_dummy_weights_from_a_bare_config(tmp_path):
+    from conftest import _tiny_config
+    d = tmp_path / "cfg"
+    d.mkdir()
+    cfg = _tiny_config("LlamaForCausalLM")
+    cfg.architectures = ["LlamaForCausalLM"]
+    cfg.to_json_file(d / "config.json")
+    run_cli("bench", "throughput", "--model", str(d), "--load-format", "dummy", "--dtype", "bfloat16",
+            *ENGINE, "--num-prompts", "3", "--input-len", "10", "--output-len", "4",
+            "--results-dir", str(tmp_path), "--tag", "dummy")
+    r = read_json(tmp_path / "dummy.json")
+    assert r["jaxllm"]["output_tokens"] == 12 and "hf_transformers" not in r
+    assert r["engine"]["dtype"] == "bfloat16"
+
+
+def test_real_shape_configs_parse():
+    from jaxllm.models.arch import ArchConfig
+    here = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "configs")
+    shapes = {}
+    for name in ("llama-3-8b", "qwen2.5-7b", "llama-3.2-1b"):
+        with open(os.path.join(here, name, "config.json")) as f:
+            a = ArchConfig.from_hf(json.load(f))
+        shapes[name] = (a.num_layers, a.num_heads, a.num_kv_heads, a.head_dim, a.vocab_size)
+    assert shapes["llama-3-8b"] == (32, 32, 8, 128, 128256)
+    assert shapes["qwen2.5-7b"] == (28, 28, 4, 128, 152064)
+    assert shapes["llama-3.2-1b"] == (16, 32, 8, 64, 128256)
+
+
+@pytest.fixture(scope="module")
+def bench_server(tiny_llama, tmp_path_factory):
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp_path_factory.mktemp("bench_server") / "server.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "jaxllm.cli", "serve", tiny_llama, "--port",
+                                 str(port), *ENGINE], stdout=f, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 300
+    while True:
+        assert proc.poll() is None, log.read_text()[-2000:]
+        try:
+            if httpx.get(base + "/health/ready", timeout=2).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        assert time.time() < deadline
+        time.sleep(0.2)
+    yield base
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=60)
+
+
+def test_serve_sweep_with_plots(bench_server, tmp_path):
+    run_cli("bench", "serve", "--base-url", bench_server, "--num-prompts", "12",
+            "--random-input-len", "16", "--random-output-len", "6", "--ignore-eos",
+            "--max-concurrency", "1,4", "--vocab-size", "40000", "--save-result", "--plot",
+            "--results-dir", str(tmp_path), "--tag", "srv")
+    r = read_json(tmp_path / "srv.json")
+    assert [x["max_concurrency"] for x in r["runs"]] == [1, 4]
+    for run in r["runs"]:
+        assert run["successful_requests"] == 12 and run["failed_requests"] == 0
+        assert run["total_output_tokens"] == 72
+        for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+            assert run[k]["mean"] > 0 and run[k]["p99"] >= run[k]["median"]
+        assert run["memory"]["peak_running_seqs"] >= 1
+    assert r["runs"][1]["request_throughput"] > 0
+    for suffix in ("_throughput.png", "_latency.png", ".md"):
+        assert (tmp_path / f"srv{suffix}").stat().st_size > 0
+    md = (tmp_path / "srv.md").read_text()
+    assert "| 1 |" in md and "| 4 |" in md
+
+
+def test_serve_poisson_and_prefix_chat(bench_server, tmp_path):
+    run_cli("bench", "serve", "--base-url", bench_server, "--dataset-name", "prefix-chat",
+            "--num-prompts", "3", "--num-turns", "2", "--system-len", "40", "--random-input-len", "6",
+            "--random-output-len", "4", "--request-rate", "20", "--vocab-size", "40000",
+            "--save-result", "--results-dir", str(tmp_path), "--tag", "chat")
+    r = read_json(tmp_path / "chat.json")
+    assert r["runs"][0]["successful_requests"] == 6
+    # an unreachable server: every request fails, and the report says so
+    run_cli("bench", "serve", "--base-url", "http://127.0.0.1:9", "--model", "m", "--num-prompts", "2",
+            "--save-result", "--results-dir", str(tmp_path), "--tag", "down")
+    down = read_json(tmp_path / "down.json")["runs"][0]
+    assert down["failed_requests"] == 2 and down["successful_requests"] == 0 and down["errors"]
