@@ -6,6 +6,13 @@
 # benchmarks/results. SUITE_MODEL / SUITE_SCALE=small shrink it for a dry run on a CPU.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# The GPU image lacks some of our dependencies (starlette, uvicorn, pydantic, ...) and reaches
+# no registry: carry them as wheels in .whl/ (see the device tool's README) and they go in here.
+if ls .whl/*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 RESULTS="${OUT:+$OUT/results}"
 RESULTS="${RESULTS:-benchmarks/results}"
@@ -20,13 +27,15 @@ LOG="$RESULTS/gpu_suite_${TAG}.log"
 status=0
 
 if [ "${SUITE_SCALE:-full}" = small ]; then
-  ENGINE=(--model "$MODEL" --load-format dummy --max-model-len 256 --max-num-seqs 8
+  MAX_LEN=256
+  ENGINE=(--model "$MODEL" --load-format dummy --max-model-len "$MAX_LEN" --max-num-seqs 8
           --max-num-batched-tokens 64)
-  N_THROUGHPUT=8; N_SERVE=8; CONC=1,4; BATCH=4; KGRID=small
+  N_THROUGHPUT=8; N_SERVE=8; CONC=1,4; BATCH=4; KGRID=small; IN_LEN=64; OUT_LEN=16
 else
+  MAX_LEN=4096
   ENGINE=(--model "$MODEL" --load-format dummy --dtype bfloat16 --gpu-memory-utilization 0.9
-          --max-model-len 4096 --max-num-seqs 256 --max-num-batched-tokens 8192)
-  N_THROUGHPUT=1000; N_SERVE=400; CONC=16,64,256; BATCH=32; KGRID=full
+          --max-model-len "$MAX_LEN" --max-num-seqs 256 --max-num-batched-tokens 8192)
+  N_THROUGHPUT=1000; N_SERVE=400; CONC=16,64,256; BATCH=32; KGRID=full; IN_LEN=512; OUT_LEN=64
 fi
 
 step() {  # step NAME CMD...: run, log, remember failures, go on
@@ -41,11 +50,15 @@ step() {  # step NAME CMD...: run, log, remember failures, go on
 
 { nvidia-smi || true; python3 -c 'import jax; print(jax.__version__, jax.devices())'; } 2>&1 | tee -a "$LOG"
 
-step "gpu tests" env JAXLLM_GPU_TESTS=1 python3 -m pytest -q tests/test_kernels.py
+if [ "${SUITE_SCALE:-full}" = small ]; then  # no GPU: the kernels in interpret mode
+  step "kernel tests" python3 -m pytest -q tests/test_kernels.py
+else
+  step "gpu tests" env JAXLLM_GPU_TESTS=1 python3 -m pytest -q tests/test_kernels.py
+fi
 step "kernel benchmark" python3 -m jaxllm.cli bench kernels --grid "$KGRID" \
   --results-dir "$RESULTS" --tag "kernels_${TAG}"
-step "latency" python3 -m jaxllm.cli bench latency "${ENGINE[@]}" --input-len 512 \
-  --output-len 64 --batch-size "$BATCH" --num-iters 3 --results-dir "$RESULTS" --tag "latency_${TAG}"
+step "latency" python3 -m jaxllm.cli bench latency "${ENGINE[@]}" --input-len "$IN_LEN" \
+  --output-len "$OUT_LEN" --batch-size "$BATCH" --num-iters 3 --results-dir "$RESULTS" --tag "latency_${TAG}"
 step "throughput (ShareGPT-like mix)" python3 -m jaxllm.cli bench throughput "${ENGINE[@]}" \
   --dataset-name sharegpt --num-prompts "$N_THROUGHPUT" --no-hf-baseline \
   --results-dir "$RESULTS" --tag "throughput_sharegpt_${TAG}"
@@ -61,10 +74,14 @@ for _ in $(seq 1 600); do
 done
 step "serving" python3 -m jaxllm.cli bench serve --base-url "http://127.0.0.1:$PORT" \
   --dataset-name sharegpt --num-prompts "$N_SERVE" --max-concurrency "$CONC" --ignore-eos \
-  --max-model-len 4096 --vocab-size 128000 --save-result --plot --results-dir "$RESULTS" \
+  --max-model-len "$MAX_LEN" --vocab-size 32000 --save-result --plot --results-dir "$RESULTS" \
   --tag "serve_sharegpt_${TAG}"
 kill -TERM "$SERVER" 2> /dev/null
 wait "$SERVER"
 
 echo "results in $RESULTS (status $status)" | tee -a "$LOG"
+if [ -n "${OUT:-}" ]; then
+  # the device tool brings back at most 8 files: everything in one archive, the log beside it
+  tar czf "$OUT/gpu_suite_${TAG}.tar.gz" -C "$RESULTS" . && cp "$LOG" "$OUT/" && rm -rf "$RESULTS"
+fi
 exit $status

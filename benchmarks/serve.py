@@ -119,7 +119,9 @@ async def one_request(client, url: str, model: str, sample: datasets.Sample, ign
                 if data.get("usage"):
                     out.output_tokens = data["usage"]["completion_tokens"]
                     out.prompt_tokens = data["usage"]["prompt_tokens"]
-                if data.get("choices") and data["choices"][0].get("text"):
+                # a chunk with a choice carries new tokens (a model without a tokenizer streams
+                # them with empty text)
+                if data.get("choices"):
                     now = time.perf_counter()
                     if last is None:
                         out.ttft = now - start

@@ -24,6 +24,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-gpu-blocks-override", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=None)
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--attention-backend", default=None, choices=["auto", "pallas", "xla"],
+                   help="paged attention: Pallas kernels (default on GPU) or the XLA path")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="automatic prefix caching (default on)")
     g.add_argument("--scheduling-policy", default=None, choices=["fcfs", "priority"])
@@ -143,7 +145,8 @@ def main(argv=None) -> int:
     for name, module, help_, engine in (
             ("throughput", "throughput", "offline throughput against HF transformers", True),
             ("latency", "latency", "TTFT and decode step time at batch 1 and N", True),
-            ("serve", "serve", "online load against an OpenAI-compatible server", False)):
+            ("serve", "serve", "online load against an OpenAI-compatible server", False),
+            ("kernels", "kernels", "paged-attention kernels against measured peaks", False)):
         mod = importlib.import_module(f"benchmarks.{module}")
         b = bench.add_parser(name, help=help_)
         if engine:

@@ -31,6 +31,7 @@ class EngineConfig:
     # scheduler; None picks a default for the platform in resolve()
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
+    attention_backend: str = "auto"      # "pallas" (kernels; default on GPU) or "xla"
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"      # or "priority": lower `priority` values first
     preemption_mode: str = "recompute"   # or "swap": blocks go to host memory and back
@@ -56,6 +57,8 @@ class EngineConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.attention_backend not in ("auto", "pallas", "xla"):
+            raise ValueError(f"attention_backend must be 'auto', 'pallas' or 'xla', got {self.attention_backend!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.preemption_mode not in ("recompute", "swap"):

@@ -6,7 +6,7 @@ from jaxllm.runner.model_runner import attention_metadata, table_width
 
 
 def make_case(seqs, *, heads=8, kv_heads=2, head_dim=64, block_size=16, layers=2, layer=1,
-              T=None, S=None, max_model_len=1024, dtype=jnp.float32, seed=0):
+              T=None, S=None, max_model_len=1024, dtype=jnp.float32, seed=0, qt=None):
     """seqs: [(tokens already cached, tokens this step)]. Block tables are shuffled, the cache
     holds random K/V everywhere (the step's too, as if just written)."""
     rng = np.random.default_rng(seed)
@@ -23,7 +23,7 @@ def make_case(seqs, *, heads=8, kv_heads=2, head_dim=64, block_size=16, layers=2
     for i, m in enumerate(need):
         tables[i, :m] = ids[k:k + m]
         k += m
-    md = attention_metadata(starts, n, tables, T, S, block_size)
+    md = attention_metadata(starts, n, tables, T, S, block_size, qt)
     cache = rng.standard_normal((layers, 2, kv_heads, num_blocks * block_size, head_dim))
     q = rng.standard_normal((T, heads, head_dim))
     return jnp.asarray(q, dtype), jnp.asarray(cache, dtype), layer, md

@@ -155,3 +155,16 @@ def test_serve_poisson_and_prefix_chat(bench_server, tmp_path):
             "--save-result", "--results-dir", str(tmp_path), "--tag", "down")
     down = read_json(tmp_path / "down.json")["runs"][0]
     assert down["failed_requests"] == 2 and down["successful_requests"] == 0 and down["errors"]
+
+
+def test_kernels_small_grid(tmp_path):
+    run_cli("bench", "kernels", "--grid", "small", "--iters", "1", "--heads", "8", "--kv-heads", "2",
+            "--head-dim", "64", "--dtype", "float32", "--results-dir", str(tmp_path), "--tag", "k")
+    r = read_json(tmp_path / "k.json")
+    assert r["interpret"] is True and r["peaks"]["copy_gb_s"] > 0
+    assert len(r["decode"]) == 2 and len(r["prefill"]) == 2
+    for row in r["decode"]:
+        assert row["jaxllm_pallas"]["gb_s"] > 0 and row["xla"]["gb_s"] > 0
+        assert "gb_s" in row["jax_paged_attention"] or "error" in row["jax_paged_attention"]
+    for row in r["prefill"]:
+        assert row["jaxllm_pallas"]["tflop_s"] > 0 and 0 < row["jaxllm_pallas"]["frac_of_matmul"]

@@ -70,8 +70,10 @@ class LLMEngine:
         setup_compilation_cache(config.compilation_cache_dir)
         platform = jax.default_backend()
         self.dtype = resolve_dtype(config.dtype, platform)
+        if config.attention_backend == "auto":
+            config.attention_backend = "pallas" if platform == "gpu" else "xla"
         loaded = load_model(config.model, self.dtype, config.load_format, config.seed,
-                            config.tokenizer)
+                            config.tokenizer, attention_backend=config.attention_backend)
         self.arch = loaded.arch
         self.tokenizer = loaded.tokenizer
         self.eos_token_id = loaded.eos_token_id
@@ -94,7 +96,7 @@ class LLMEngine:
                                    config.scheduling_policy, config.preemption_mode)
         self.runner = ModelRunner(loaded, self.dtype, num_blocks, bs, config.max_model_len,
                                   config.max_num_seqs, config.max_num_batched_tokens,
-                                  num_host_blocks)
+                                  num_host_blocks, config.attention_backend)
         if config.warmup:
             secs = self.runner.compile_all()
             logger.info("compiled %d step shapes in %.1f s", len(self.runner.shapes.all), secs)
@@ -141,7 +143,8 @@ class LLMEngine:
                              "num_gpu_blocks_override")
         # a runner with a 2-block cache, only to measure the largest step's scratch memory
         probe = ModelRunner(loaded, self.dtype, 2, cfg.block_size, cfg.max_model_len,
-                            cfg.max_num_seqs, cfg.max_num_batched_tokens)
+                            cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                            attention_backend=cfg.attention_backend)
         scratch = probe.activation_bytes()
         del probe
         in_use = dev.memory_stats().get("bytes_in_use", 0)

@@ -33,15 +33,21 @@ class AttentionMetadata:
     tile_start: jax.Array       # [W]   first token (flat index) of each tile
     num_tiles: jax.Array        # []    how many of the W tiles are real
     block_size: int = field(metadata=dict(static=True), default=16)
+    q_tile: int = field(metadata=dict(static=True), default=Q_TILE)  # tokens per tile
 
 
-def q_tile_size(num_tokens: int) -> int:
+def q_tile_size(num_tokens: int, backend: str = "xla", kv_group: int = 1) -> int:
+    """Tokens per prefill tile: the Pallas kernel fixes it by the GQA group (128 query rows);
+    the XLA path slices tiles out of the step, so they fit in it."""
+    if backend == "pallas":
+        from pallas_kernels.ragged_paged_attention import q_tile
+        return q_tile(kv_group)
     return min(num_tokens, Q_TILE)
 
 
-def max_tiles(num_tokens: int, num_seqs: int) -> int:
+def max_tiles(num_tokens: int, num_seqs: int, q_tile: int) -> int:
     """Upper bound on prefill tiles for a (tokens, seqs) bucket: sum of ceil(len / tile)."""
-    return num_tokens // q_tile_size(num_tokens) + num_seqs
+    return num_tokens // q_tile + num_seqs
 
 
 def kv_chunk(block_size: int) -> int:
@@ -122,7 +128,7 @@ def _prefill_pass(qg, out, kv_cache, layer, md, window, soft_cap):
     T, KVH, G, D = qg.shape
     bs = md.block_size
     chunk = kv_chunk(bs)
-    qt = q_tile_size(T)
+    qt = md.q_tile
     rows = jnp.arange(qt)
 
     def tile(w, out):
@@ -184,8 +190,16 @@ def paged_attention_xla(q: jax.Array, kv_cache: jax.Array, layer: jax.Array,
     return out.reshape(T, H, D).astype(q.dtype)
 
 
+BACKENDS = ("xla", "pallas")
+
+
 def paged_attention(q, kv_cache, layer, md, scale, sliding_window=None, soft_cap=None,
                     backend="xla"):
     if backend == "xla":
         return paged_attention_xla(q, kv_cache, layer, md, scale, sliding_window, soft_cap)
-    raise ValueError(f"unknown attention backend {backend!r}")
+    if backend == "pallas":
+        from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+        # off a GPU the kernels run in Pallas' interpreter (tests, CPU runs)
+        return ragged_paged_attention(q, kv_cache, layer, md, scale, sliding_window, soft_cap,
+                                      interpret=jax.default_backend() != "gpu")
+    raise ValueError(f"unknown attention backend {backend!r}; choose from {BACKENDS}")

@@ -1,0 +1,112 @@
+"""Tensor parallelism, declared once: parameters carry logical axis names, and the one table
+below maps them to mesh axes. Attention runs under shard_map with specs from the same table;
+everything else is left to XLA's sharding propagation (column-parallel q/k/v and gate/up,
+row-parallel o and down: one all-reduce per attention and per MLP)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+TP = "tp"
+
+# logical axis -> mesh axis (None: replicated)
+LOGICAL_AXIS_RULES: dict[str, str | None] = {
+    "vocab": TP,      # embedding rows and logits columns
+    "heads": TP,      # query heads (x head_dim) of q and o
+    "kv_heads": TP,   # key/value heads of k, v and the KV cache
+    "mlp": TP,        # the MLP's hidden size
+    "embed": None,
+    "layers": None,
+    "head_dim": None,
+    "kv": None,       # the K / V axis of the cache
+    "slots": None,
+}
+
+
+def spec(*logical: str | None) -> P:
+    return P(*(LOGICAL_AXIS_RULES.get(name) if name else None for name in logical))
+
+
+def make_mesh(tensor_parallel_size: int, devices=None) -> Mesh:
+    import jax
+    devices = list(devices if devices is not None else jax.devices())
+    if tensor_parallel_size > len(devices):
+        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} needs that many devices; "
+                         f"{len(devices)} are visible")
+    return Mesh(np.array(devices[:tensor_parallel_size]), (TP,))
+
+
+def sharding(mesh: Mesh, *logical: str | None) -> NamedSharding:
+    return NamedSharding(mesh, spec(*logical))
+
+
+@dataclass(frozen=True)
+class TPPlan:
+    """How a model's shapes change to split over `size` devices: the vocabulary and the MLP
+    are padded with zeros to a multiple of it (padded logits are cut off, padded MLP units
+    contribute silu(0) * 0 = 0); KV heads are repeated when there are fewer than devices (each
+    device then holds one, as vLLM does). Query heads cannot be padded: they must divide."""
+    size: int
+    vocab_pad: int = 0
+    mlp_pad: int = 0
+    kv_repeat: int = 1
+
+
+def plan(arch, size: int) -> TPPlan:
+    if size < 1:
+        raise ValueError(f"tensor_parallel_size must be at least 1, got {size}")
+    if size == 1:
+        return TPPlan(1)
+    H, KVH = arch.num_heads, arch.num_kv_heads
+    if H % size:
+        raise ValueError(f"num_attention_heads ({H}) is not divisible by tensor_parallel_size "
+                         f"({size}); attention heads cannot be padded")
+    if KVH % size == 0:
+        repeat = 1
+    elif size % KVH == 0:
+        repeat = size // KVH
+    else:
+        raise ValueError(f"num_key_value_heads ({KVH}) and tensor_parallel_size ({size}) must "
+                         "divide one another")
+    return TPPlan(size, vocab_pad=-arch.vocab_size % size,
+                  mlp_pad=-arch.intermediate_size % size, kv_repeat=repeat)
+
+
+def runtime_arch(arch, p: TPPlan):
+    """The shapes the sharded model is built with."""
+    return replace(arch, num_kv_heads=arch.num_kv_heads * p.kv_repeat,
+                   intermediate_size=arch.intermediate_size + p.mlp_pad,
+                   vocab_pad=p.vocab_pad)
+
+
+def transform_weights(weights: dict[str, np.ndarray], arch, p: TPPlan) -> dict[str, np.ndarray]:
+    """Checkpoint-shaped numpy weights -> the runtime shapes of `runtime_arch` (host side)."""
+    if p.size == 1:
+        return weights
+    out = dict(weights)
+    D = arch.head_dim
+
+    def repeat_heads(w, axis):
+        shape = list(w.shape)
+        heads = shape[axis] // D
+        w = w.reshape(shape[:axis] + [heads, D] + shape[axis + 1:])
+        w = np.repeat(w, p.kv_repeat, axis=axis)
+        return w.reshape(shape[:axis] + [heads * p.kv_repeat * D] + shape[axis + 1:])
+
+    if p.kv_repeat > 1:
+        for name in ("layers.wk", "layers.wv"):
+            out[name] = repeat_heads(out[name], 2)
+        for name in ("layers.bk", "layers.bv"):
+            if name in out:
+                out[name] = repeat_heads(out[name], 1)
+    if p.mlp_pad:
+        for name in ("layers.w_gate", "layers.w_up"):
+            out[name] = np.pad(out[name], ((0, 0), (0, 0), (0, p.mlp_pad)))
+        out["layers.w_down"] = np.pad(out["layers.w_down"], ((0, 0), (0, p.mlp_pad), (0, 0)))
+    if p.vocab_pad:
+        out["embed_tokens"] = np.pad(out["embed_tokens"], ((0, p.vocab_pad), (0, 0)))
+        if "lm_head" in out:
+            out["lm_head"] = np.pad(out["lm_head"], ((0, 0), (0, p.vocab_pad)))
+    return out

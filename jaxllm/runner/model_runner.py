@@ -47,7 +47,7 @@ def table_width(max_model_len: int, block_size: int) -> int:
 
 
 def attention_metadata(starts: np.ndarray, n: np.ndarray, tables: np.ndarray, T: int, S: int,
-                       block_size: int) -> AttentionMetadata:
+                       block_size: int, qt: int | None = None) -> AttentionMetadata:
     """The flat ragged layout of one step, padded to T tokens and S sequences.
 
     starts[i]: tokens of sequence i already in the cache; n[i]: its tokens this step;
@@ -71,8 +71,8 @@ def attention_metadata(starts: np.ndarray, n: np.ndarray, tables: np.ndarray, T:
     seq_lens[:S_real] = starts + n
 
     # prefill tiles: each sequence with more than one token, cut into query tiles
-    qt = q_tile_size(T)
-    W = max_tiles(T, S)
+    qt = qt or q_tile_size(T)
+    W = max_tiles(T, S, qt)
     multi = np.nonzero(n > 1)[0]
     per_seq = -(-n[multi] // qt)
     num_tiles = int(per_seq.sum())
@@ -82,7 +82,7 @@ def attention_metadata(starts: np.ndarray, n: np.ndarray, tables: np.ndarray, T:
     first_tile = np.repeat(np.cumsum(per_seq) - per_seq, per_seq)
     tile_start[:num_tiles] = qsl[tile_seq[:num_tiles]] + (np.arange(num_tiles) - first_tile) * qt
     return AttentionMetadata(positions, slots, seq_ids, qsl, seq_lens, block_tables, tile_seq,
-                             tile_start, np.int32(num_tiles), block_size=bs)
+                             tile_start, np.int32(num_tiles), block_size=bs, q_tile=qt)
 
 
 @dataclass
@@ -108,8 +108,10 @@ ROW_INIT_GROUP = 8  # sampler-state rows rebuilt per call
 
 class ModelRunner:
     def __init__(self, loaded, dtype, num_blocks: int, block_size: int, max_model_len: int,
-                 max_num_seqs: int, max_num_batched_tokens: int, num_host_blocks: int = 0):
+                 max_num_seqs: int, max_num_batched_tokens: int, num_host_blocks: int = 0,
+                 attention_backend: str = "xla"):
         self.arch = loaded.arch
+        self.attention_backend = attention_backend
         self.graphdef = loaded.graphdef
         self.state = loaded.state
         self.dtype = dtype
@@ -150,15 +152,19 @@ class ModelRunner:
         self._step = jax.jit(step, donate_argnums=(1, 2))
         self._set_rows = jax.jit(set_rows, donate_argnums=(0,))
 
+    def q_tile(self, T: int) -> int:
+        return q_tile_size(T, self.attention_backend, self.arch.num_heads // self.arch.num_kv_heads)
+
     # compilation
     def _abstract_inputs(self, T: int, S: int):
         i32, f32, b = jnp.int32, jnp.float32, jnp.bool_
         sds = jax.ShapeDtypeStruct
-        W = max_tiles(T, S)
+        qt = self.q_tile(T)
+        W = max_tiles(T, S, qt)
         md = AttentionMetadata(sds((T,), i32), sds((T,), i32), sds((T,), i32), sds((S + 1,), i32),
                                sds((S,), i32), sds((S, self.max_blocks_per_seq), i32),
                                sds((W,), i32), sds((W,), i32), sds((), i32),
-                               block_size=self.block_size)
+                               block_size=self.block_size, q_tile=qt)
         smd = SamplingMetadata(
             sds((S,), f32), sds((S,), i32), sds((S,), f32), sds((S,), f32), sds((S,), jnp.uint32),
             sds((S,), i32), sds((S,), i32), sds((S,), b), sds((S,), f32), sds((S,), f32),
@@ -260,7 +266,8 @@ class ModelRunner:
         starts = batch.num_computed_tokens[rows]
         S_real, T_real = len(req_ids), int(n.sum())
         T, S = self.shapes.pick(T_real, S_real)
-        md = attention_metadata(starts, n, batch.block_table[rows], T, S, self.block_size)
+        md = attention_metadata(starts, n, batch.block_table[rows], T, S, self.block_size,
+                                self.q_tile(T))
         tok_rows = rows[md.token_seq_ids[:T_real]]
         input_ids = np.zeros(T, np.int32)
         input_ids[:T_real] = batch.token_ids[tok_rows, md.positions[:T_real]]

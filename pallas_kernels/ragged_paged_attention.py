@@ -1,0 +1,288 @@
+"""Ragged paged attention as Pallas kernels: one call serves a flat batch that mixes prefill
+chunks and decodes, reading K and V from the paged cache through block tables.
+
+Two kernels share the work, as the XLA path in jaxllm/layers/attention.py does:
+
+* decode: the last token of every sequence (the whole batch when it is pure decode) against
+  its context; grid (sequence, KV head, split). Long contexts are split across programs and
+  the partial results combined by their log-sum-exp (split-K). The query heads of one KV head
+  share its K/V loads (GQA), padded to 16 rows for the tensor-core dot.
+* prefill tiles: every token of the sequences with more than one token this step, in tiles
+  of `q_tile` tokens x the KV head's query heads; grid (tile, KV head). Each tile walks the
+  pages of its sequence up to its causal limit.
+
+Only portable Pallas is used (BlockSpecs over the grid, dynamic slices, a vector gather of
+pages, fori_loop, cond), so the kernels run in interpret mode on a CPU and lower through
+Pallas' Triton path on NVIDIA GPUs. The cache is read as one flat page array
+`[layers * 2 * kv_heads * blocks, block_size, head_dim]` (a free reshape of the engine's
+`[layers, 2, kv_heads, slots, head_dim]`), so the layer index can be a run-time value.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+_NEG = -1e30
+DECODE_ROWS = 16  # query rows per decode program: the smallest tensor-core tile
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def pages_per_step(block_size: int) -> int:
+    """Pages gathered per loop iteration: 128 tokens of K and of V."""
+    return max(1, 128 // block_size)
+
+
+def q_tile(kv_group: int) -> int:
+    """Tokens per prefill tile: 128 query rows (tokens x padded query heads per KV head)."""
+    return max(1, 128 // next_pow2(kv_group))
+
+
+def _prec(f32: bool):
+    # f32 inputs must not silently drop to TF32 on the tensor cores
+    return jax.lax.Precision.HIGHEST if f32 else None
+
+
+def _scores(q, k, scale, soft_cap, f32):
+    s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=_prec(f32),
+                            preferred_element_type=jnp.float32) * scale
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
+    return s
+
+
+def _online(carry, s, v, f32):
+    """One online-softmax step over a chunk of keys (masked scores are already _NEG)."""
+    o, m, l = carry
+    m_new = jnp.maximum(m, s.max(axis=-1))
+    p = jnp.exp(s - m_new[:, None])
+    corr = jnp.exp(m - m_new)
+    pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=_prec(f32),
+                             preferred_element_type=jnp.float32)
+    return o * corr[:, None] + pv, m_new, l * corr + p.sum(axis=-1)
+
+
+def flat_pages(kv_cache: jax.Array, block_size: int) -> jax.Array:
+    L, two, KVH, slots, D = kv_cache.shape
+    return kv_cache.reshape(L * two * KVH * (slots // block_size), block_size, D)
+
+
+# decode
+def _decode_kernel(layer_ref, q_ref, pages_ref, table_ref, len_ref, lo_ref, o_ref, m_ref, l_ref,
+                   *, kv_heads, blocks, block_size, pages_per_split, scale, soft_cap, f32):
+    h = pl.program_id(1)
+    split = pl.program_id(2)
+    rows, D = q_ref.shape
+    pps = pages_per_step(block_size)
+    chunk = pps * block_size
+    layer = layer_ref[0]
+    length = len_ref[0]
+    lo = lo_ref[0]
+    k_base = (layer * 2 * kv_heads + h) * blocks
+    v_base = k_base + kv_heads * blocks
+    first = split * pages_per_split
+    # this split's pages that hold context in the window: [start, end)
+    start = jnp.maximum(first, lo // block_size)
+    end = jnp.minimum(first + pages_per_split, pl.cdiv(length, block_size))
+    q = q_ref[...]
+
+    def body(c, carry):
+        ids = table_ref[pl.ds(c * pps, pps)]
+        k = pages_ref[k_base + ids].reshape(chunk, D)
+        v = pages_ref[v_base + ids].reshape(chunk, D)
+        s = _scores(q, k, scale, soft_cap, f32)
+        pos = (first + c * pps) * block_size + jax.lax.broadcasted_iota(jnp.int32, (rows, chunk), 1)
+        s = jnp.where((pos < length) & (pos >= lo), s, _NEG)
+        return _online(carry, s, v, f32)
+
+    init = (jnp.zeros((rows, D), jnp.float32), jnp.full((rows,), _NEG, jnp.float32),
+            jnp.zeros((rows,), jnp.float32))
+    o, m, l = jax.lax.cond(
+        start < end,
+        lambda: jax.lax.fori_loop((start - first) // pps, pl.cdiv(end - first, pps), body, init),
+        lambda: init)
+    o_ref[...] = o
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+def paged_decode(q, pages, layer, tables, lens, lo, *, kv_heads, blocks, block_size, scale,
+                 soft_cap=None, k_splits=8, interpret=False):
+    """One query token per sequence against its context, split-K over the context.
+
+    q: [S, KVH, G, D]; pages: flat_pages(cache); layer: [1] i32; tables: [S, MB];
+    lens: [S] context lengths (0: padded row); lo: [S] first position in the window.
+    Returns [S, KVH, G, D] f32."""
+    S, KVH, G, D = q.shape
+    rows = max(DECODE_ROWS, next_pow2(G))
+    pps = pages_per_step(block_size)
+    width = max(next_pow2(tables.shape[1]), pps)
+    k_splits = max(1, min(k_splits, width // pps))
+    per_split = width // k_splits
+    tables = jnp.pad(tables, ((0, 0), (0, width - tables.shape[1])))
+    qp = jnp.pad(q, ((0, 0), (0, 0), (0, rows - G), (0, 0)))
+    kernel = functools.partial(
+        _decode_kernel, kv_heads=KVH, blocks=blocks, block_size=block_size,
+        pages_per_split=per_split, scale=scale, soft_cap=soft_cap, f32=q.dtype == jnp.float32)
+    o, m, l = pl.pallas_call(
+        kernel,
+        grid=(S, KVH, k_splits),
+        in_specs=[
+            pl.BlockSpec((1,), lambda s, h, k: (0,)),                           # layer
+            pl.BlockSpec((None, None, rows, D), lambda s, h, k: (s, h, 0, 0)),  # q
+            pl.BlockSpec(pages.shape, lambda s, h, k: (0, 0, 0)),               # pages
+            pl.BlockSpec((None, per_split), lambda s, h, k: (s, k)),            # table
+            pl.BlockSpec((1,), lambda s, h, k: (s,)),                           # lens
+            pl.BlockSpec((1,), lambda s, h, k: (s,)),                           # lo
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, rows, D), lambda s, h, k: (k, s, h, 0, 0)),
+            pl.BlockSpec((None, None, None, rows), lambda s, h, k: (k, s, h, 0)),
+            pl.BlockSpec((None, None, None, rows), lambda s, h, k: (k, s, h, 0)),
+        ],
+        out_shape=[jax.ShapeDtypeStruct((k_splits, S, KVH, rows, D), jnp.float32),
+                   jax.ShapeDtypeStruct((k_splits, S, KVH, rows), jnp.float32),
+                   jax.ShapeDtypeStruct((k_splits, S, KVH, rows), jnp.float32)],
+        interpret=interpret,
+        name="jaxllm_paged_decode",
+    )(layer, qp, pages, tables, lens, lo)
+    # combine the splits by their log-sum-exp
+    m_all = m.max(axis=0)
+    w = jnp.exp(m - m_all[None])
+    l_all = (l * w).sum(axis=0)
+    o = (o * w[..., None]).sum(axis=0) / jnp.maximum(l_all, 1e-30)[..., None]
+    return o[:, :, :G]
+
+
+# prefill tiles
+def _tile_kernel(layer_ref, q_ref, pages_ref, table_ref, meta_ref, o_ref,
+                 *, kv_heads, blocks, block_size, group, window, scale, soft_cap, f32):
+    h = pl.program_id(1)
+    qt, gp, D = o_ref.shape
+    rows = qt * gp
+    pps = pages_per_step(block_size)
+    chunk = pps * block_size
+    layer = layer_ref[0]
+    start, pos0, nrows = meta_ref[0], meta_ref[1], meta_ref[2]
+    k_base = (layer * 2 * kv_heads + h) * blocks
+    v_base = k_base + kv_heads * blocks
+    q = q_ref[pl.ds(start, qt)].reshape(rows, D)
+    # row r is token r // gp of the tile, query head r % gp of this KV head
+    q_pos = pos0 + jax.lax.broadcasted_iota(jnp.int32, (rows, chunk), 0) // gp
+    hi = pos0 + jnp.maximum(nrows, 1)  # keys before this bound can be visible
+    lo = 0 if window is None else jnp.maximum(pos0 - window + 1, 0)
+
+    def body(c, carry):
+        ids = table_ref[pl.ds(c * pps, pps)]
+        k = pages_ref[k_base + ids].reshape(chunk, D)
+        v = pages_ref[v_base + ids].reshape(chunk, D)
+        s = _scores(q, k, scale, soft_cap, f32)
+        k_pos = c * chunk + jax.lax.broadcasted_iota(jnp.int32, (rows, chunk), 1)
+        ok = k_pos <= q_pos
+        if window is not None:
+            ok &= k_pos > q_pos - window
+        return _online(carry, jnp.where(ok, s, _NEG), v, f32)
+
+    init = (jnp.zeros((rows, D), jnp.float32), jnp.full((rows,), _NEG, jnp.float32),
+            jnp.zeros((rows,), jnp.float32))
+    o, _, l = jax.lax.cond(
+        nrows > 0, lambda: jax.lax.fori_loop(lo // chunk, pl.cdiv(hi, chunk), body, init),
+        lambda: init)
+    o = o / jnp.maximum(l, 1e-30)[:, None]
+    o_ref[...] = o.reshape(qt, gp, D).astype(o_ref.dtype)
+
+
+def paged_prefill_tiles(q, pages, layer, tables, meta, *, kv_heads, blocks, block_size, qt,
+                        scale, window=None, soft_cap=None, interpret=False):
+    """q: [KVH, T, Gp, D] queries by KV head (padded with qt rows at the end);
+    tables: [W, MB] the block-table row of each tile's sequence; meta: [W, 4] (first token,
+    its position, valid rows, unused). Returns [W, KVH, qt, Gp, D] f32."""
+    KVH, Tp, gp, D = q.shape
+    W = meta.shape[0]
+    pps = pages_per_step(block_size)
+    width = max(next_pow2(tables.shape[1]), pps)
+    tables = jnp.pad(tables, ((0, 0), (0, width - tables.shape[1])))
+    kernel = functools.partial(
+        _tile_kernel, kv_heads=KVH, blocks=blocks, block_size=block_size, group=gp,
+        window=window, scale=scale, soft_cap=soft_cap, f32=q.dtype == jnp.float32)
+    return pl.pallas_call(
+        kernel,
+        grid=(W, KVH),
+        in_specs=[
+            pl.BlockSpec((1,), lambda w, h: (0,)),                      # layer
+            pl.BlockSpec((None, Tp, gp, D), lambda w, h: (h, 0, 0, 0)),  # q of this KV head
+            pl.BlockSpec(pages.shape, lambda w, h: (0, 0, 0)),          # pages
+            pl.BlockSpec((None, width), lambda w, h: (w, 0)),           # the tile's table row
+            pl.BlockSpec((None, 4), lambda w, h: (w, 0)),               # the tile's meta
+        ],
+        out_specs=pl.BlockSpec((None, None, qt, gp, D), lambda w, h: (w, h, 0, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((W, KVH, qt, gp, D), jnp.float32),
+        interpret=interpret,
+        name="jaxllm_paged_prefill",
+    )(layer, q, pages, tables, meta)
+
+
+def ragged_paged_attention(q, kv_cache, layer, md, scale, sliding_window=None, soft_cap=None,
+                           *, interpret=False, k_splits=None, poison=False):
+    """Drop-in for the XLA path: q [T, H, D] with the step's K/V already in kv_cache.
+
+    md: the step's AttentionMetadata; its tiles must have been cut with q_tile(G) tokens.
+    poison (tests): tokens that no kernel writes come out NaN instead of zero.
+    """
+    T, H, D = q.shape
+    L, _, KVH, slots, _ = kv_cache.shape
+    G = H // KVH
+    bs = md.block_size
+    blocks = slots // bs
+    pages = flat_pages(kv_cache, bs)
+    layer = jnp.reshape(layer, (1,)).astype(jnp.int32)
+    dtype = kv_cache.dtype
+    qg = q.astype(dtype).reshape(T, KVH, G, D)
+    S = md.seq_lens.shape[0]
+    if k_splits is None:
+        k_splits = 1 if interpret else (16 if S <= 8 else 8 if S <= 64 else 4)
+
+    # decode: the last token of every sequence
+    last = jnp.maximum(md.query_start_loc[1:] - 1, 0)
+    q_pos = md.positions[last]
+    lo = (jnp.zeros_like(md.seq_lens) if sliding_window is None
+          else jnp.maximum(q_pos - sliding_window + 1, 0))
+    dec = paged_decode(qg[last], pages, layer, md.block_tables, md.seq_lens, lo, kv_heads=KVH,
+                       blocks=blocks, block_size=bs, scale=scale, soft_cap=soft_cap,
+                       k_splits=k_splits, interpret=interpret)
+    dst = jnp.where(md.seq_lens > 0, last, T)  # padded rows write nowhere
+    out = jnp.full((T, KVH, G, D), jnp.nan if poison else 0.0, jnp.float32)
+    out = out.at[dst].set(dec, mode="drop")
+
+    # prefill tiles, skipped at run time when the step has none
+    qt = q_tile(G)
+    gp = next_pow2(G)
+
+    def prefill(out):
+        W = md.tile_seq.shape[0]
+        w_idx = jnp.arange(W)
+        live = w_idx < md.num_tiles
+        start = md.tile_start
+        seq_end = md.query_start_loc[md.tile_seq + 1]
+        nrows = jnp.where(live, jnp.clip(seq_end - start, 0, qt), 0)
+        pos0 = md.positions[jnp.minimum(start, T - 1)]
+        meta = jnp.stack([start, pos0, nrows, jnp.zeros_like(start)], axis=1).astype(jnp.int32)
+        qk = jnp.pad(qg.transpose(1, 0, 2, 3), ((0, 0), (0, qt), (0, gp - G), (0, 0)))
+        tiles = paged_prefill_tiles(qk, pages, layer, md.block_tables[md.tile_seq], meta,
+                                    kv_heads=KVH, blocks=blocks, block_size=bs, qt=qt,
+                                    scale=scale, window=sliding_window, soft_cap=soft_cap,
+                                    interpret=interpret)
+        # each token of a tile goes back to its place in the flat layout
+        tok = start[:, None] + jnp.arange(qt)[None, :]                    # [W, qt]
+        ok = jnp.arange(qt)[None, :] < nrows[:, None]
+        tok = jnp.where(ok, tok, T).reshape(-1)
+        vals = tiles[:, :, :, :G].transpose(0, 2, 1, 3, 4).reshape(W * qt, KVH, G, D)
+        return out.at[tok].set(vals, mode="drop")
+
+    out = jax.lax.cond(md.num_tiles > 0, prefill, lambda o: o, out)
+    return out.reshape(T, H, D).astype(q.dtype)

@@ -1,0 +1,113 @@
+"""The Pallas paged-attention kernels against the dense reference: interpret mode on the CPU,
+compiled for real on a GPU when JAXLLM_GPU_TESTS=1 (benchmarks/gpu_suite.sh)."""
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from attention_cases import make_case
+from pallas_kernels.paged_attention_ref import ragged_paged_attention_ref
+from pallas_kernels.ragged_paged_attention import paged_decode, flat_pages, q_tile, ragged_paged_attention
+
+ON_GPU = os.environ.get("JAXLLM_GPU_TESTS") == "1"
+if ON_GPU and jax.default_backend() != "gpu":
+    pytest.skip("JAXLLM_GPU_TESTS=1 needs a GPU", allow_module_level=True)
+INTERPRET = not ON_GPU
+TOL = {jnp.float32: dict(rtol=1e-5, atol=1e-5), jnp.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+CASES = {
+    "single_token": [(0, 1)],
+    "block_boundary": [(15, 1), (31, 1), (16, 16), (48, 17)],
+    "long_context": [(1500, 1), (700, 90)],
+    "prefill_and_decodes": [(0, 20), (7, 1), (100, 1), (33, 45), (0, 1), (250, 1), (0, 70)],
+}
+
+
+def check(seqs, heads, kv_heads, head_dim=64, dtype=jnp.float32, T=None, S=None, window=None,
+          soft_cap=None, block_size=16, seed=0):
+    G = heads // kv_heads
+    q, cache, layer, md = make_case(seqs, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                                    block_size=block_size, T=T, S=S, max_model_len=2048,
+                                    dtype=dtype, seed=seed, qt=q_tile(G))
+    md = jax.tree.map(jnp.asarray, md)
+    scale = head_dim ** -0.5
+    fn = jax.jit(lambda q, c, md: ragged_paged_attention(
+        q, c, jnp.int32(layer), md, scale, window, soft_cap, interpret=INTERPRET, poison=True))
+    got = np.asarray(fn(q, cache, md), np.float32)
+    want = np.asarray(ragged_paged_attention_ref(q, cache, layer, md.positions, md.token_seq_ids,
+                                                 md.block_tables, block_size, scale, window,
+                                                 soft_cap), np.float32)
+    real = int(md.query_start_loc[-1])
+    assert np.isfinite(got[:real]).all(), "a token no kernel wrote"
+    np.testing.assert_allclose(got[:real], want[:real], **TOL[dtype])
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (8, 2), (16, 2)])  # GQA 1, 3, 4, 8
+def test_kernels_match_reference(name, heads, kv_heads):
+    check(CASES[name], heads, kv_heads, seed=len(name) + heads)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_head_dim_128_and_dtypes(dtype):
+    check(CASES["prefill_and_decodes"], 8, 2, head_dim=128, dtype=dtype)
+
+
+def test_padded_rows_and_tokens():
+    check([(10, 3), (0, 1), (40, 1)], 8, 2, T=64, S=8)
+
+
+@pytest.mark.parametrize("window", [1, 16, 100])
+def test_sliding_window(window):
+    check(CASES["prefill_and_decodes"] + [(400, 50)], 8, 2, window=window, seed=window)
+
+
+def test_soft_cap_and_small_blocks():
+    check(CASES["prefill_and_decodes"], 8, 2, soft_cap=3.0, block_size=8)
+
+
+def test_random_batches():
+    rng = np.random.default_rng(7)
+    for trial in range(4):
+        seqs = [(int(rng.integers(0, 600)), int(rng.choice([1, 1, 1, int(rng.integers(2, 90))])))
+                for _ in range(int(rng.integers(1, 9)))]
+        heads, kv = [(4, 4), (6, 2), (8, 2), (16, 2)][trial]
+        check(seqs, heads, kv, seed=trial)
+
+
+@pytest.mark.parametrize("k_splits", [1, 4, 16])
+def test_decode_split_k(k_splits):
+    """The decode fast path on its own: long contexts split across programs and recombined."""
+    seqs = [(1900, 1), (33, 1), (700, 1), (0, 1)]
+    q, cache, layer, md = make_case(seqs, heads=8, kv_heads=2, max_model_len=2048, seed=k_splits)
+    md = jax.tree.map(jnp.asarray, md)
+    last = md.query_start_loc[1:] - 1
+    bs = md.block_size
+    got = paged_decode(q.reshape(-1, 2, 4, 64)[last], flat_pages(cache, bs), jnp.array([layer], jnp.int32),
+                       md.block_tables, md.seq_lens, jnp.zeros_like(md.seq_lens), kv_heads=2,
+                       blocks=cache.shape[3] // bs, block_size=bs, scale=0.125, k_splits=k_splits,
+                       interpret=INTERPRET)
+    want = ragged_paged_attention_ref(q, cache, layer, md.positions, md.token_seq_ids,
+                                      md.block_tables, bs, 0.125)
+    np.testing.assert_allclose(np.asarray(got).reshape(4, 8, 64), np.asarray(want)[np.asarray(last)],
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the CPU engine comparison runs in interpret mode")
+def test_engine_greedy_identical_with_either_backend(tiny_llama, tiny_llm):
+    """f32 greedy through the whole engine: chunked prefill, decode, prefix hits."""
+    from conftest import SMALL_ENGINE
+    from jaxllm import LLM, SamplingParams
+
+    rng = np.random.default_rng(3)
+    shared = rng.integers(10, 40000, size=40).tolist()
+    prompts = [shared + rng.integers(10, 40000, size=n).tolist() for n in (3, 30, 90)]
+    prompts += [rng.integers(10, 40000, size=n).tolist() for n in (1, 17, 150)]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    pallas = LLM(tiny_llama, attention_backend="pallas", **SMALL_ENGINE)
+    assert pallas.llm_engine.config.attention_backend == "pallas"
+    got = [o.outputs[0].token_ids for o in pallas.generate(prompts, params, use_tqdm=False)]
+    want = [o.outputs[0].token_ids for o in tiny_llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
