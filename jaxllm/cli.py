@@ -26,6 +26,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
     g.add_argument("--attention-backend", default=None, choices=["auto", "pallas", "xla"],
                    help="paged attention: Pallas kernels (default on GPU) or the XLA path")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
+    g.add_argument("--distributed-coordinator", default=None, help="host:port of process 0")
+    g.add_argument("--num-processes", type=int, default=None)
+    g.add_argument("--process-id", type=int, default=None)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="automatic prefix caching (default on)")
     g.add_argument("--scheduling-policy", default=None, choices=["fcfs", "priority"])

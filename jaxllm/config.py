@@ -32,6 +32,11 @@ class EngineConfig:
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     attention_backend: str = "auto"      # "pallas" (kernels; default on GPU) or "xla"
+    tensor_parallel_size: int = 1
+    # multi-process (multi-host) runs: jax.distributed.initialize's coordinator and ranks
+    distributed_coordinator: str | None = None
+    num_processes: int = 1
+    process_id: int = 0
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"      # or "priority": lower `priority` values first
     preemption_mode: str = "recompute"   # or "swap": blocks go to host memory and back
@@ -49,6 +54,17 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        for name in ("tensor_parallel_size", "num_processes"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if not 0 <= self.process_id < self.num_processes:
+            raise ValueError(f"process_id must be in [0, num_processes={self.num_processes}), "
+                             f"got {self.process_id}")
+        if self.num_processes > 1 and not self.distributed_coordinator:
+            raise ValueError("num_processes > 1 needs distributed_coordinator (host:port)")
+        if self.num_processes > 1 and self.preemption_mode == "swap":
+            raise ValueError("preemption_mode='swap' is not supported across processes; "
+                             "use 'recompute'")
         for name in ("max_model_len", "block_size", "num_gpu_blocks_override",
                      "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes"):
             _positive(name, getattr(self, name))

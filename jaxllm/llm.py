@@ -1,9 +1,11 @@
 """LLM: the offline API (generate, chat), as in vLLM."""
 from __future__ import annotations
 
+import atexit
 import itertools
 from typing import Sequence
 
+import jax
 from tqdm.auto import tqdm
 
 from jaxllm.config import EngineConfig
@@ -27,6 +29,13 @@ class LLM:
             raise ValueError("pass either config or model/engine arguments, not both")
         self.llm_engine = LLMEngine(config)
         self._counter = itertools.count()
+        if self.llm_engine.is_follower:
+            # multi-process: the same script runs everywhere; only process 0 generates, the
+            # others run its steps here until it shuts down, then exit
+            self.llm_engine.follow()
+            raise SystemExit(0)
+        if jax.process_count() > 1:
+            atexit.register(self.llm_engine.shutdown)
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

@@ -44,6 +44,11 @@ def served_name(model: str | None, given: str | None) -> str:
 def run_server(engine_config: EngineConfig, host: str, port: int, served_model_name: str | None,
                api_key: str | None, max_queue_len: int | None, shutdown_timeout: float,
                log_interval: float) -> int:
+    if engine_config.process_id != 0:
+        # other processes serve nothing: they run process 0's steps until it shuts down
+        from jaxllm.engine.llm_engine import LLMEngine
+        LLMEngine(engine_config).follow()
+        return 0
     name = served_name(engine_config.model, served_model_name)
     server = OpenAIServer(engine_config, ServerConfig(
         name, api_key or os.environ.get("JAXLLM_API_KEY"), max_queue_len, log_interval))

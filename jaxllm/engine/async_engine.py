@@ -93,6 +93,8 @@ class AsyncEngine:
             self.error = e
             for stream in list(self._streams.values()):
                 stream.put(EngineDeadError(str(e)))
+        finally:
+            engine.shutdown()  # followers on other processes stop with us
 
     def _drain_inbox(self, block: bool) -> bool:
         """Takes queued adds and aborts; True if there were any."""

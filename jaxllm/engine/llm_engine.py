@@ -18,6 +18,8 @@ from jaxllm.engine.detokenizer import IncrementalDetokenizer
 from jaxllm.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxllm.runner.sampler import MAX_LOGPROBS
 from jaxllm.loader import load_model
+from jaxllm.parallel import make_mesh
+from jaxllm.parallel import multiprocess as mp
 from jaxllm.runner.model_runner import ModelRunner, kv_bytes_per_block
 from jaxllm.sampling_params import SamplingParams
 
@@ -67,13 +69,17 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         start = time.perf_counter()
         self.config = config
+        if config.num_processes > 1:  # before anything touches a device
+            mp.initialize(config.distributed_coordinator, config.num_processes, config.process_id)
         setup_compilation_cache(config.compilation_cache_dir)
         platform = jax.default_backend()
         self.dtype = resolve_dtype(config.dtype, platform)
         if config.attention_backend == "auto":
             config.attention_backend = "pallas" if platform == "gpu" else "xla"
+        self.mesh = make_mesh(config.tensor_parallel_size)
         loaded = load_model(config.model, self.dtype, config.load_format, config.seed,
-                            config.tokenizer, attention_backend=config.attention_backend)
+                            config.tokenizer, attention_backend=config.attention_backend,
+                            mesh=self.mesh)
         self.arch = loaded.arch
         self.tokenizer = loaded.tokenizer
         self.eos_token_id = loaded.eos_token_id
@@ -84,7 +90,10 @@ class LLMEngine:
         config.resolve(platform, model_max)
         bs = config.block_size
         per_block = kv_bytes_per_block(self.arch, bs, self.dtype)
-        num_blocks = self._num_blocks(platform, per_block, loaded)
+        self.is_follower = jax.process_index() != 0
+        num_blocks = 0 if self.is_follower else self._num_blocks(platform, per_block, loaded)
+        if jax.process_count() > 1:  # every process sizes its cache as process 0 did
+            num_blocks = mp.Channel().announce(mp.INIT, num_blocks)[1]
         num_host_blocks = 0
         if config.preemption_mode == "swap":
             num_host_blocks = int(config.swap_space * 2**30) // per_block
@@ -152,6 +161,15 @@ class LLMEngine:
         logger.info("memory: limit %.2f GiB, in use %.2f GiB, step scratch %.2f GiB",
                     limit / 2**30, in_use / 2**30, scratch / 2**30)
         return max(0, budget // per_block)
+
+    def follow(self) -> None:
+        """On processes other than 0: run process 0's steps until it shuts down."""
+        logger.info("process %d follows process 0", jax.process_index())
+        self.runner.follow()
+
+    def shutdown(self) -> None:
+        """Process 0: release the followers (they return from follow())."""
+        self.runner.stop_followers()
 
     # requests
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:

@@ -203,3 +203,24 @@ def paged_attention(q, kv_cache, layer, md, scale, sliding_window=None, soft_cap
         return ragged_paged_attention(q, kv_cache, layer, md, scale, sliding_window, soft_cap,
                                       interpret=jax.default_backend() != "gpu")
     raise ValueError(f"unknown attention backend {backend!r}; choose from {BACKENDS}")
+
+
+def attention_block(q, k, v, kv_cache, layer, md, scale, sliding_window=None, backend="xla",
+                    mesh=None, soft_cap=None):
+    """Write the step's K/V into the cache, then attend: (out [T, H, D], new cache). Under
+    tensor parallelism both run per device on its heads (shard_map), with specs from the
+    same logical-axis table as the parameters."""
+    def local(q, k, v, kv_cache, layer, md):
+        kv_cache = write_kv(kv_cache, layer, k, v, md.slot_mapping)
+        return paged_attention(q, kv_cache, layer, md, scale, sliding_window, soft_cap,
+                               backend), kv_cache
+
+    if mesh is None or mesh.size == 1:
+        return local(q, k, v, kv_cache, layer, md)
+    from jax.sharding import PartitionSpec as P
+
+    from jaxllm.parallel import spec
+    heads, kv_heads = spec(None, "heads", None), spec(None, "kv_heads", None)
+    cache = spec("layers", "kv", "kv_heads", "slots", "head_dim")
+    return jax.shard_map(local, mesh=mesh, in_specs=(heads, kv_heads, kv_heads, cache, P(), P()),
+                         out_specs=(heads, cache), check_vma=False)(q, k, v, kv_cache, layer, md)

@@ -51,6 +51,7 @@ class LoadedModel:
     tokenizer: Any
     eos_token_id: int | None
     is_gguf: bool
+    mesh: Any = None
 
 
 def _gguf_file(path: str) -> str | None:
@@ -108,31 +109,51 @@ def ArchConfig_from_gguf(reader) -> ArchConfig:
     return gguf_arch_config(reader)
 
 
+def _param_name(path_keys) -> str:
+    keys = [str(getattr(k, "key", getattr(k, "name", k))) for k in path_keys]
+    if keys and keys[-1] == "value":
+        keys = keys[:-1]
+    return ".".join(keys)
+
+
 def load_model(model: str | None, dtype, load_format: str = "auto", seed: int = 0,
                tokenizer: str | None = None, attention_backend: str = "xla",
-               load_tokenizer: bool = True) -> LoadedModel:
+               load_tokenizer: bool = True, mesh=None) -> LoadedModel:
+    """Read a checkpoint (or make random weights with load_format="dummy") straight into the
+    shards of `mesh` (default: a mesh of the first device). With tensor parallelism the
+    model's shapes are padded / repeated per jaxllm.parallel.plan; each device receives only
+    its slice of every tensor."""
+    from jaxllm.models.llama import PARAM_AXES
+    from jaxllm.parallel import make_mesh, plan, runtime_arch, sharding, transform_weights
+
+    mesh = mesh if mesh is not None else make_mesh(1)
     path = resolve_model_path(model)
     gguf_file = _gguf_file(path)
     np_dtype = np.dtype(jnp.dtype(dtype))
     dummy = load_format == "dummy"
-    arch, weights = _read_weights(path, gguf_file, dummy, np_dtype)
+    ckpt_arch, weights = _read_weights(path, gguf_file, dummy, np_dtype)
+    tp = plan(ckpt_arch, mesh.size)
+    arch = runtime_arch(ckpt_arch, tp)
     cls = get_model_class(arch.architecture)
+    abstract = nnx.eval_shape(lambda: cls(arch, dtype, rngs=nnx.Rngs(0),
+                                          attention_backend=attention_backend, mesh=mesh))
+    graphdef, abstract_state = nnx.split(abstract)
+    shardings = jax.tree_util.tree_map_with_path(
+        lambda p, leaf: sharding(mesh, *PARAM_AXES[_param_name(p)]), abstract_state)
     if dummy:
-        # random weights for benchmarking real shapes without a checkpoint
-        model_obj = cls(arch, dtype, rngs=nnx.Rngs(seed), attention_backend=attention_backend)
-        graphdef, state = nnx.split(model_obj)
+        # random weights of real shapes, each device making only its own shards
+        def init():
+            return nnx.split(cls(arch, dtype, rngs=nnx.Rngs(seed),
+                                 attention_backend=attention_backend, mesh=mesh))[1]
+        state = jax.jit(init, out_shardings=shardings)()
     else:
-        abstract = nnx.eval_shape(lambda: cls(arch, dtype, rngs=nnx.Rngs(0),
-                                              attention_backend=attention_backend))
-        graphdef, abstract_state = nnx.split(abstract)
+        weights = transform_weights(weights, ckpt_arch, tp)
 
-        def fill(path_keys, leaf):
-            keys = [str(getattr(k, "key", getattr(k, "name", k))) for k in path_keys]
-            if keys and keys[-1] == "value":
-                keys = keys[:-1]
-            return jnp.asarray(weights[".".join(keys)], dtype=dtype)
+        def fill(path_keys, leaf, shard):
+            w = weights[_param_name(path_keys)]
+            return jax.make_array_from_callback(w.shape, shard, lambda idx: np.asarray(w[idx], np_dtype))
 
-        state = jax.tree_util.tree_map_with_path(fill, abstract_state)
+        state = jax.tree_util.tree_map_with_path(fill, abstract_state, shardings)
     tok = None
     if load_tokenizer:
         try:
@@ -149,4 +170,4 @@ def load_model(model: str | None, dtype, load_format: str = "auto", seed: int = 
         eos = tok.eos_token_id
     logger.info("loaded %s (%s, %d layers) from %s", arch.architecture, jnp.dtype(dtype).name,
                 arch.num_layers, path)
-    return LoadedModel(path, arch, graphdef, state, tok, eos, gguf_file is not None)
+    return LoadedModel(path, arch, graphdef, state, tok, eos, gguf_file is not None, mesh)

@@ -24,6 +24,7 @@ class ArchConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+    vocab_pad: int = 0  # zero rows added for tensor parallelism; their logits are cut off
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxllm.layers.attention import AttentionMetadata, paged_attention, write_kv
+from jaxllm.layers.attention import AttentionMetadata, attention_block
 from jaxllm.layers.norm import rms_norm
 from jaxllm.layers.rotary import apply_rope, rope_inv_freq
 from jaxllm.models.arch import ArchConfig
@@ -18,7 +18,7 @@ from jaxllm.models.arch import ArchConfig
 def param_shapes(cfg: ArchConfig) -> dict[str, tuple[int, ...]]:
     """Every parameter of the model by its dotted name."""
     L, E, F = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
-    H, K, D, V = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size
+    H, K, D, V = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size + cfg.vocab_pad
     shapes = {
         "embed_tokens": (V, E),
         "norm": (E,),
@@ -39,6 +39,29 @@ def param_shapes(cfg: ArchConfig) -> dict[str, tuple[int, ...]]:
     if not cfg.tie_word_embeddings:
         shapes["lm_head"] = (E, V)
     return shapes
+
+
+# logical axes of every parameter (jaxllm.parallel maps them to mesh axes)
+PARAM_AXES = {
+    "embed_tokens": ("vocab", "embed"),
+    "norm": ("embed",),
+    "lm_head": ("embed", "vocab"),
+    "layers.input_norm": ("layers", "embed"),
+    "layers.post_norm": ("layers", "embed"),
+    "layers.wq": ("layers", "embed", "heads"),
+    "layers.wk": ("layers", "embed", "kv_heads"),
+    "layers.wv": ("layers", "embed", "kv_heads"),
+    "layers.wo": ("layers", "heads", "embed"),
+    "layers.bq": ("layers", "heads"),
+    "layers.bk": ("layers", "kv_heads"),
+    "layers.bv": ("layers", "kv_heads"),
+    "layers.q_norm": ("layers", "head_dim"),
+    "layers.k_norm": ("layers", "head_dim"),
+    "layers.w_gate": ("layers", "embed", "mlp"),
+    "layers.w_up": ("layers", "embed", "mlp"),
+    "layers.w_down": ("layers", "mlp", "embed"),
+}
+KV_CACHE_AXES = ("layers", "kv", "kv_heads", "slots", "head_dim")
 
 
 def _init(name: str, shape, dtype, key):
@@ -62,9 +85,10 @@ class LlamaLayers(nnx.Module):
 
 class LlamaForCausalLM(nnx.Module):
     def __init__(self, cfg: ArchConfig, dtype=jnp.float32, *, rngs: nnx.Rngs,
-                 attention_backend: str = "xla"):
+                 attention_backend: str = "xla", mesh=None):
         self.cfg = cfg
         self.attention_backend = attention_backend
+        self.mesh = mesh  # tensor parallelism: attention runs under shard_map over it
         shapes = param_shapes(cfg)
         layer_shapes = {k.split(".", 1)[1]: v for k, v in shapes.items() if k.startswith("layers.")}
         self.embed_tokens = nnx.Param(_init("embed_tokens", shapes["embed_tokens"], dtype, rngs.params()))
@@ -76,7 +100,8 @@ class LlamaForCausalLM(nnx.Module):
     def compute_logits(self, h: jax.Array) -> jax.Array:
         """Final-normed hidden states [N, E] -> logits [N, V] in f32."""
         head = self.embed_tokens[...].T if self.lm_head is None else self.lm_head[...]
-        return (h @ head).astype(jnp.float32)
+        logits = (h @ head).astype(jnp.float32)
+        return logits[:, :self.cfg.vocab_size] if self.cfg.vocab_pad else logits
 
     def __call__(self, kv_cache: jax.Array, input_ids: jax.Array,
                  md: AttentionMetadata) -> tuple[jax.Array, jax.Array]:
@@ -101,8 +126,8 @@ class LlamaForCausalLM(nnx.Module):
                 q, k = rms_norm(q, w["q_norm"], eps), rms_norm(k, w["k_norm"], eps)
             q = apply_rope(q, md.positions, inv_freq)
             k = apply_rope(k, md.positions, inv_freq)
-            kv = write_kv(kv, i, k, v, md.slot_mapping)
-            o = paged_attention(q, kv, i, md, scale, cfg.sliding_window, None, self.attention_backend)
+            o, kv = attention_block(q, k, v, kv, i, md, scale, cfg.sliding_window,
+                                    self.attention_backend, self.mesh)
             x = x + o.reshape(T, H * D) @ w["wo"]
             h = rms_norm(x, w["post_norm"], eps)
             x = x + (jax.nn.silu(h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"]

@@ -18,7 +18,8 @@ def _slots(blocks: jax.Array, block_size: int) -> jax.Array:
 
 
 class BlockOps:
-    def __init__(self, kv_shape: tuple[int, ...], dtype, block_size: int, num_host_blocks: int):
+    def __init__(self, kv_shape: tuple[int, ...], dtype, block_size: int, num_host_blocks: int,
+                 kv_sharding=None):
         L, two, KVH, num_slots, D = kv_shape
         self.block_size = block_size
         self.num_slots = num_slots
@@ -38,17 +39,21 @@ class BlockOps:
         def copy(cache, src, dst):
             return scatter(cache, dst, gather(cache, src))
 
+        # the cache keeps its (tensor-parallel) sharding through every move
         self._gather = jax.jit(gather)
-        self._scatter = jax.jit(scatter, donate_argnums=(0,))
-        self._copy = jax.jit(copy, donate_argnums=(0,))
+        self._scatter = jax.jit(scatter, donate_argnums=(0,), out_shardings=kv_sharding)
+        self._copy = jax.jit(copy, donate_argnums=(0,), out_shardings=kv_sharding)
         self._shape = kv_shape
         self._dtype = dtype
+        self._kv_sharding = kv_sharding
 
     def compile(self) -> None:
-        cache = jax.ShapeDtypeStruct(self._shape, self._dtype)
-        idx = jax.ShapeDtypeStruct((GROUP,), jnp.int32)
+        kv = self._kv_sharding
+        rep = None if kv is None else jax.sharding.NamedSharding(kv.mesh, jax.sharding.PartitionSpec())
+        cache = jax.ShapeDtypeStruct(self._shape, self._dtype, sharding=kv)
+        idx = jax.ShapeDtypeStruct((GROUP,), jnp.int32, sharding=rep)
         L, two, KVH, _, D = self._shape
-        vals = jax.ShapeDtypeStruct((GROUP, L, two, KVH, self.block_size, D), self._dtype)
+        vals = jax.ShapeDtypeStruct((GROUP, L, two, KVH, self.block_size, D), self._dtype, sharding=rep)
         self._copy = self._copy.lower(cache, idx, idx).compile()
         if self.host is not None:
             self._gather = self._gather.lower(cache, idx).compile()

@@ -21,6 +21,9 @@ from jaxllm.core.block_pool import NULL_BLOCK
 from jaxllm.core.kv_cache_manager import cdiv
 from jaxllm.core.scheduler import SchedulerOutput
 from jaxllm.layers.attention import AttentionMetadata, kv_chunk, max_tiles, q_tile_size
+from jaxllm.models.llama import KV_CACHE_AXES
+from jaxllm.parallel import make_mesh, sharding
+from jaxllm.parallel import multiprocess as mp
 from jaxllm.runner.block_ops import BlockOps
 from jaxllm.runner.buckets import StepShapes, make_buckets
 from jaxllm.runner.input_batch import COLUMNS, InputBatch
@@ -106,6 +109,11 @@ class RunnerOutput:
 ROW_INIT_GROUP = 8  # sampler-state rows rebuilt per call
 
 
+def _host(x) -> np.ndarray:
+    """A replicated result on the host (with several processes, this process's copy)."""
+    return np.asarray(x if x.is_fully_addressable else x.addressable_data(0))
+
+
 class ModelRunner:
     def __init__(self, loaded, dtype, num_blocks: int, block_size: int, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, num_host_blocks: int = 0,
@@ -124,14 +132,21 @@ class ModelRunner:
         self.shapes = StepShapes(
             make_buckets(min(16, max_num_batched_tokens), max_num_batched_tokens, linear_from=1024),
             make_buckets(1, max_num_seqs))
-        self.kv_cache = jnp.zeros(kv_cache_shape(self.arch, num_blocks, block_size), dtype)
-        self.sampler_state = init_state(max_num_seqs, self.vocab)
-        self.block_ops = BlockOps(self.kv_cache.shape, dtype, block_size, num_host_blocks)
+        # one device is a mesh of one: the same sharded code path
+        self.mesh = loaded.mesh if loaded.mesh is not None else make_mesh(1)
+        self.kv_sharding = sharding(self.mesh, *KV_CACHE_AXES)
+        self.replicated = sharding(self.mesh)
+        kv_shape = kv_cache_shape(self.arch, num_blocks, block_size)
+        self.kv_cache = jax.jit(lambda: jnp.zeros(kv_shape, dtype), out_shardings=self.kv_sharding)()
+        self.sampler_state = jax.jit(lambda: init_state(max_num_seqs, self.vocab),
+                                     out_shardings=self.replicated)()
+        self.block_ops = BlockOps(kv_shape, dtype, block_size, num_host_blocks, self.kv_sharding)
         self.batch = InputBatch(max_num_seqs, max_model_len, self.max_blocks_per_seq)
         self._pending_rows: list[tuple[int, object]] = []  # rows whose sampler state to rebuild
         self._compiled: dict[tuple[int, int], object] = {}
         self.num_steps = 0
         self.num_compiles_after_warmup = 0
+        self.channel = mp.Channel() if jax.process_count() > 1 else None
         graphdef, vocab = self.graphdef, self.vocab
 
         def step(state, kv_cache, sampler_state, input_ids, md, logits_indices, smd):
@@ -149,8 +164,12 @@ class ModelRunner:
                 lambda h: zeros, hidden)
             return SamplerOutput(tokens, lp, rank, top_ids, top_lp, *plp), kv_cache, sampler_state
 
-        self._step = jax.jit(step, donate_argnums=(1, 2))
-        self._set_rows = jax.jit(set_rows, donate_argnums=(0,))
+        state_sharding = jax.tree.map(lambda x: x.sharding, self.state)
+        rep = self.replicated
+        self._step = jax.jit(step, donate_argnums=(1, 2),
+                             in_shardings=(state_sharding, self.kv_sharding, rep, rep, rep, rep, rep),
+                             out_shardings=(rep, self.kv_sharding, rep))
+        self._set_rows = jax.jit(set_rows, donate_argnums=(0,), in_shardings=rep, out_shardings=rep)
 
     def q_tile(self, T: int) -> int:
         return q_tile_size(T, self.attention_backend, self.arch.num_heads // self.arch.num_kv_heads)
@@ -173,7 +192,7 @@ class ModelRunner:
         return sds((T,), i32), md, sds((S,), i32), smd
 
     def _abstract(self, tree):
-        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
     def _compile(self, T: int, S: int):
         return self._step.lower(self._abstract(self.state), self._abstract(self.kv_cache),
@@ -255,8 +274,66 @@ class ModelRunner:
                     stop[j, p.stop_token_ids] = True
                     if not p.ignore_eos and new.eos_token_id is not None:
                         stop[j, new.eos_token_id] = True
-            self.sampler_state = self._set_rows(self.sampler_state, rows, tokens, n_prompt, n_tok,
-                                                bias, stop)
+            self._set_sampler_rows((rows, tokens, n_prompt, n_tok, bias, stop))
+
+    # device operations: with several processes, process 0 announces and shares each one so
+    # that the others launch the same computation (follow())
+    def _put(self, tree):
+        return jax.tree.map(
+            lambda x: jax.make_array_from_process_local_data(self.replicated, np.asarray(x)), tree)
+
+    def _run_step(self, shape, inputs, announced: bool = False):
+        if self.channel is not None:
+            if not announced:
+                self.channel.announce(mp.STEP, *shape)
+            inputs = self.channel.share(inputs)
+        exe = self._compiled.get(shape)
+        if exe is None:
+            exe = self._compiled[shape] = self._compile(*shape)
+            self.num_compiles_after_warmup += 1
+            logger.warning("compiled step shape %s outside warm-up", shape)
+        res, self.kv_cache, self.sampler_state = exe(self.state, self.kv_cache,
+                                                     self.sampler_state, *self._put(inputs))
+        return res
+
+    def _set_sampler_rows(self, args, announced: bool = False) -> None:
+        if self.channel is not None:
+            if not announced:
+                self.channel.announce(mp.SET_ROWS)
+            args = self.channel.share(args)
+        self.sampler_state = self._set_rows(self.sampler_state, *self._put(args))
+
+    def _copy_blocks(self, pairs, announced: bool = False) -> None:
+        if self.channel is not None:
+            if not announced:
+                self.channel.announce(mp.COPY, len(pairs))
+            pairs = [tuple(p) for p in self.channel.share(np.asarray(pairs, np.int32).reshape(-1, 2))]
+        self.kv_cache = self.block_ops.copy(self.kv_cache, pairs)
+
+    def follow(self) -> None:
+        """Followers: run process 0's device operations until it stops."""
+        K, V, L = ROW_INIT_GROUP, self.vocab, self.max_model_len
+        while True:
+            op, a, b = self.channel.announce(0)
+            if op == mp.STOP:
+                return
+            if op == mp.STEP:
+                template = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), self._abstract_inputs(a, b))
+                self._run_step((a, b), template, announced=True)
+            elif op == mp.SET_ROWS:
+                self._set_sampler_rows((np.zeros(K, np.int32), np.zeros((K, L), np.int32),
+                                        np.zeros(K, np.int32), np.zeros(K, np.int32),
+                                        np.zeros((K, V), np.float32), np.zeros((K, V), np.bool_)),
+                                       announced=True)
+            elif op == mp.COPY:
+                self._copy_blocks(np.zeros((a, 2), np.int32), announced=True)
+            else:
+                raise RuntimeError(f"unknown operation {op} from process 0")
+
+    def stop_followers(self) -> None:
+        if self.channel is not None and self.channel.is_leader:
+            self.channel.announce(mp.STOP)
+            self.channel = None
 
     def _prepare(self, out: SchedulerOutput, req_ids: list[str]):
         """Padded numpy inputs of one step, vectorised over persistent-batch rows."""
@@ -327,29 +404,22 @@ class ModelRunner:
             ops = self.block_ops
             self.kv_cache = ops.swap_out(self.kv_cache, out.blocks_to_swap_out)
             self.kv_cache = ops.swap_in(self.kv_cache, out.blocks_to_swap_in)
-            self.kv_cache = ops.copy(self.kv_cache, out.blocks_to_copy)
+            self._copy_blocks(out.blocks_to_copy)
         self._update_states(out)
         result = RunnerOutput()
         if out.is_empty:
             return result
         req_ids = list(out.num_scheduled_tokens)
         rows, n, shape, inputs = self._prepare(out, req_ids)
-        exe = self._compiled.get(shape)
-        if exe is None:
-            exe = self._compiled[shape] = self._compile(*shape)
-            self.num_compiles_after_warmup += 1
-            logger.warning("compiled step shape %s outside warm-up", shape)
         smd = inputs[-1]
-        inputs = jax.device_put(inputs)
-        res, self.kv_cache, self.sampler_state = exe(self.state, self.kv_cache,
-                                                     self.sampler_state, *inputs)
-        tokens = np.asarray(res.tokens)
+        res = self._run_step(shape, inputs)
+        tokens = _host(res.tokens)
         self.num_steps += 1
         batch, cols = self.batch, self.batch.cols
         want_lp = bool(smd.any_logprobs)
         if want_lp:
-            lp, rank, top_ids, top_lp = (np.asarray(x) for x in (res.logprobs, res.ranks,
-                                                                 res.top_ids, res.top_logprobs))
+            lp, rank, top_ids, top_lp = (_host(x) for x in (res.logprobs, res.ranks,
+                                                            res.top_ids, res.top_logprobs))
         starts = batch.num_computed_tokens[rows].copy()
         for i, rid in enumerate(req_ids):
             row = rows[i]
@@ -367,8 +437,8 @@ class ModelRunner:
         return result
 
     def _collect_prompt_logprobs(self, res, req_ids, rows, n, starts, result) -> None:
-        plp, prank, pids, ptop = (np.asarray(x) for x in (res.prompt_logprobs, res.prompt_ranks,
-                                                         res.prompt_top_ids, res.prompt_top_logprobs))
+        plp, prank, pids, ptop = (_host(x) for x in (res.prompt_logprobs, res.prompt_ranks,
+                                                    res.prompt_top_ids, res.prompt_top_logprobs))
         batch, offset = self.batch, 0
         for i, rid in enumerate(req_ids):
             row, k = rows[i], int(batch.cols["num_prompt_logprobs"][rows[i]])

@@ -1,0 +1,49 @@
+"""Runs one model at several tensor-parallel sizes on fake CPU devices and prints, as JSON, the
+greedy tokens and prompt logprobs of each (test_parallel.py compares them)."""
+import json
+import os
+import sys
+
+os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+
+
+def main():
+    model = None if sys.argv[1] == "default" else sys.argv[1]
+    sizes = [int(x) for x in sys.argv[2].split(",")]
+    import numpy as np
+    from jaxllm import LLM, SamplingParams
+
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(10, 40000, size=n).tolist() for n in (5, 40, 90)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3,
+                            prompt_logprobs=3)
+    out = {}
+    for tp in sizes:
+        try:
+            llm = LLM(model, tensor_parallel_size=tp, max_num_seqs=4, max_num_batched_tokens=64,
+                      max_model_len=256, warmup=False, enable_prefix_caching=False,
+                      attention_backend=os.environ.get("JAXLLM_TEST_BACKEND", "xla"))
+        except ValueError as e:
+            out[tp] = {"error": str(e)}
+            continue
+        res = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        shards = {str(x.sharding.spec) for x in [llm.llm_engine.runner.kv_cache]}
+        out[tp] = {
+            "tokens": [o.outputs[0].token_ids for o in res],
+            "logprobs": [[e[t].logprob for t, e in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
+                         for o in res],
+            "prompt_logprobs": [[e[t].logprob for t, e in zip(o.prompt_token_ids[1:], o.prompt_logprobs[1:])]
+                                for o in res],
+            "kv_cache_spec": sorted(shards),
+            "devices_per_weight": len(llm.llm_engine.runner.state["layers"]["wq"][...].sharding.device_set),
+            # what one device holds of wq [layers, embed, heads * head_dim]
+            "wq_shard": list(llm.llm_engine.runner.state["layers"]["wq"][...].addressable_shards[0].data.shape),
+            "wq_full": list(llm.llm_engine.runner.state["layers"]["wq"][...].shape),
+        }
+        del llm
+    print("RESULT " + json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
