@@ -439,10 +439,8 @@ class OpenAIServer:
             if include_usage:
                 yield chunk([], usage)
             yield "data: [DONE]\n\n"
-        except ValueError as e:
-            yield _sse({"error": {"message": str(e), "type": "invalid_request_error",
-                                  "param": _field_of(str(e)), "code": None}})
-            yield "data: [DONE]\n\n"
+        except ValueError as e:  # the request failed after the stream had begun
+            yield _sse_error(e)
         finally:
             for g in gens:
                 await g.aclose()
@@ -519,10 +517,8 @@ class OpenAIServer:
             if include_usage and out is not None:
                 yield chunk([], _add_usage(_usage(), out))
             yield "data: [DONE]\n\n"
-        except ValueError as e:
-            yield _sse({"error": {"message": str(e), "type": "invalid_request_error",
-                                  "param": _field_of(str(e)), "code": None}})
-            yield "data: [DONE]\n\n"
+        except ValueError as e:  # the request failed after the stream had begun
+            yield _sse_error(e)
         finally:
             await gen.aclose()
 
@@ -552,6 +548,11 @@ class _Outputs:
 
 def _sse(obj) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+def _sse_error(e: Exception) -> str:
+    return _sse({"error": {"message": str(e), "type": "invalid_request_error",
+                           "param": _field_of(str(e)), "code": None}}) + "data: [DONE]\n\n"
 
 
 def _usage() -> dict:
