@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 
 _NEG = -1e30
-KV_CHUNK = 128  # cache tokens per loop iteration of the XLA path
+KV_CHUNK = 128      # cache tokens per loop iteration of the XLA path's prefill tiles
+DECODE_CHUNK = 32   # ... and of its decode pass: gathers are its cost, so little overshoot
 Q_TILE = 64     # query tokens per prefill work item of the XLA path
 
 
@@ -50,8 +51,10 @@ def max_tiles(num_tokens: int, num_seqs: int, q_tile: int) -> int:
     return num_tokens // q_tile + num_seqs
 
 
-def kv_chunk(block_size: int) -> int:
-    return max(block_size, KV_CHUNK // block_size * block_size)
+def kv_chunk(block_size: int, tokens: int = KV_CHUNK) -> int:
+    """A whole number of blocks near `tokens`. Block tables are padded to a multiple of the
+    largest (KV_CHUNK), which every smaller chunk divides."""
+    return max(block_size, tokens // block_size * block_size)
 
 
 def write_kv(kv_cache: jax.Array, layer: jax.Array, k: jax.Array, v: jax.Array,
@@ -96,7 +99,7 @@ def _decode_pass(qg, kv_cache, layer, md, window, soft_cap):
     """
     S, KVH, G, D = qg.shape
     bs = md.block_size
-    chunk = kv_chunk(bs)
+    chunk = kv_chunk(bs, DECODE_CHUNK)
     last = jnp.maximum(md.query_start_loc[1:] - 1, 0)
     q_pos = md.positions[last]  # [S]
     lens = md.seq_lens
