@@ -202,6 +202,9 @@ class OpenAIServer:
                            f"you requested {num_prompt_tokens + max_tokens} tokens "
                            f"({num_prompt_tokens} in the prompt, {max_tokens} for the completion).",
                            param="max_tokens", code="context_length_exceeded")
+        if body.stream and body.best_of is not None and body.best_of > body.n:
+            # the best n are known only at the end
+            raise APIError(400, "best_of > n cannot be streamed", param="best_of")
         try:
             if body.use_beam_search:
                 params = BeamSearchParams(beam_width=body.n, max_tokens=max_tokens,
@@ -415,11 +418,14 @@ class OpenAIServer:
                          "choices": choices, "usage": usage_})
 
         sent: dict[tuple[int, int], tuple[int, int]] = {}  # (prompt, choice) -> (chars, tokens)
+        done: set[tuple[int, int]] = set()
         try:
             async for i, out in _merge(gens):
                 ids, text, _ = items[i]
                 for c in out.outputs:
                     key = (i, c.index)
+                    if key in done:
+                        continue  # its last chunk is out
                     sent_text, sent_toks = sent.get(key, (0, 0))
                     prefix = text if body.echo and key not in sent else ""
                     delta = c.text[sent_text:]
@@ -431,6 +437,8 @@ class OpenAIServer:
                     if body.logprobs is not None:
                         lp = _completion_logprobs(engine, out, c, body.echo and key not in sent, sent_toks)
                     sent[key] = (len(c.text), len(c.token_ids))
+                    if finished:
+                        done.add(key)
                     yield chunk([{"index": i * body.n + c.index, "text": prefix + delta, "logprobs": lp,
                                   "finish_reason": c.finish_reason,
                                   "stop_reason": c.stop_reason if finished else None}])
@@ -439,7 +447,7 @@ class OpenAIServer:
             if include_usage:
                 yield chunk([], usage)
             yield "data: [DONE]\n\n"
-        except ValueError as e:  # the request failed after the stream had begun
+        except (ValueError, EngineDeadError) as e:  # the request failed after the stream began
             yield _sse_error(e)
         finally:
             for g in gens:
@@ -492,6 +500,7 @@ class OpenAIServer:
         created, model = int(time.time()), self.cfg.served_model_name
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         sent: dict[int, tuple[int, int]] = {}
+        done: set[int] = set()
 
         def chunk(choices, usage=None):
             return _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
@@ -504,6 +513,8 @@ class OpenAIServer:
             out = None
             async for out in gen:
                 for c in out.outputs:
+                    if c.index in done:
+                        continue  # its last chunk is out
                     sent_text, sent_toks = sent.get(c.index, (0, 0))
                     delta = c.text[sent_text:]
                     finished = c.finish_reason is not None
@@ -511,13 +522,15 @@ class OpenAIServer:
                         continue
                     lp = _chat_logprobs(engine, c, sent_toks, body.top_logprobs or 0) if body.logprobs else None
                     sent[c.index] = (len(c.text), len(c.token_ids))
+                    if finished:
+                        done.add(c.index)
                     yield chunk([{"index": c.index, "delta": {"content": delta} if delta else {},
                                   "logprobs": lp, "finish_reason": c.finish_reason,
                                   "stop_reason": c.stop_reason if finished else None}])
             if include_usage and out is not None:
                 yield chunk([], _add_usage(_usage(), out))
             yield "data: [DONE]\n\n"
-        except ValueError as e:  # the request failed after the stream had begun
+        except (ValueError, EngineDeadError) as e:  # the request failed after the stream began
             yield _sse_error(e)
         finally:
             await gen.aclose()
@@ -625,6 +638,8 @@ async def _merge(gens: list[AsyncIterator]):
     finally:
         for t in tasks:
             t.cancel()
+        # the pumps must be done with their generators before anyone closes those
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _token_str(engine, token_id: int) -> str:

@@ -5,6 +5,7 @@ import tempfile  # noqa: E402
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # one compilation cache for the whole run, so engines of the same shapes compile once
 os.environ.setdefault("JAXLLM_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="jaxllm-xla-"))
+os.environ.setdefault("JAXLLM_TOKENIZER_CACHE_DIR", tempfile.mkdtemp(prefix="jaxllm-tok-"))
 
 import json  # noqa: E402
 

@@ -202,12 +202,16 @@ def test_bad_input_is_rejected_and_engine_keeps_serving(tiny_llm):
         engine.add_request("oov", [10**7], params)
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request("good", "again", params)
+    engine.add_request("pair", "two samples", SamplingParams(n=2, max_tokens=3))
+    with pytest.raises(ValueError, match="collides"):
+        engine.add_request("0_pair", "clash", params)  # the name of pair's first sequence
     with pytest.raises(ValueError):
         tiny_llm.generate(["fine", ""], params, use_tqdm=False)  # nothing runs
     outs = []
     while engine.has_unfinished_requests():
         outs += [o for o in engine.step() if o.finished]
-    assert [o.request_id for o in outs] == ["good"]
+    assert sorted(o.request_id for o in outs) == ["good", "pair"]
+    outs = [o for o in outs if o.request_id == "good"]
     assert outs[0].outputs[0].token_ids == expected
 
 

@@ -84,3 +84,22 @@ def test_dummy_load_format_builds_real_shapes(tmp_path):
     leaves = jax.tree.leaves(loaded.state)
     assert all(x.dtype == jnp.bfloat16 for x in leaves)
     assert loaded.state["layers"]["q_norm"][...].shape == (2, 32)
+
+
+def test_gguf_tokenizer_cache_round_trip(default_gguf, tmp_path, monkeypatch):
+    """The default model's tokenizer is built from GGUF once, then read back from the cache:
+    the cached one encodes, decodes and templates chats identically."""
+    from jaxllm.loader import loader
+    monkeypatch.setattr(loader, "TOKENIZER_CACHE", str(tmp_path))
+    fresh = loader.get_tokenizer(default_gguf)
+    assert len(list(tmp_path.iterdir())) == 1
+    cached = loader.get_tokenizer(default_gguf)
+    texts = ["Hello, world!", "  spaces\tand\nnewlines", "Grüße 世界 🎉", "<|im_start|>user"]
+    for t in texts:
+        assert cached.encode(t) == fresh.encode(t)
+    ids = fresh.encode(texts[2])
+    assert cached.decode(ids) == fresh.decode(ids)
+    msgs = [{"role": "user", "content": "hi"}]
+    assert (cached.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+            == fresh.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True))
+    assert cached.eos_token_id == fresh.eos_token_id

@@ -223,6 +223,30 @@ def test_swap_preemption_and_fallback_to_recompute():
     assert sched.num_swaps == 0 and sched.num_preemptions > 0
 
 
+def test_aborted_sibling_drops_its_pending_copy():
+    """A fork queues a block copy for the next step; if the sibling is aborted first, the copy
+    must not land in its (freed, possibly reused) block — e.g. one a swap-in refills."""
+    sched, runner = make(num_blocks=7, block_size=4, budget=8, max_model_len=24, host_blocks=16,
+                         policy="priority", preemption_mode="swap")
+    r = req("r", list(range(10, 18)), max_tokens=12, priority=1)
+    sched.add_request(r)
+    runner.step()
+    prompt = list(range(30, 45))  # 15 tokens, chunked over the 8-token budget
+    lead, sib = req("0_l", prompt, max_tokens=4, n=2), req("1_l", prompt, max_tokens=4)
+    sched.add_request(lead, [sib])
+    for _ in range(6):
+        runner.step()
+        check_invariants(sched, runner)
+        if sched._pending_copies:
+            break
+    assert sched._pending_copies, "the scenario needs a pending fork copy"
+    sched.finish_requests(["0_l", "1_l"], RequestStatus.FINISHED_ABORTED)
+    assert not sched._pending_copies
+    drain(sched, runner)  # FakeRunner checks every position r reads holds r's own token
+    assert r.num_output_tokens == 12
+    assert sched.kv.num_free_blocks == sched.kv.pool.num_usable_blocks
+
+
 class RandomWorkload(RuleBasedStateMachine):
     """Random arrivals (with shared prefixes), forks, aborts and memory pressure."""
 
@@ -263,6 +287,15 @@ class RandomWorkload(RuleBasedStateMachine):
         if ids:
             rid = data.draw(st.sampled_from(ids))
             self.sched.finish_requests([rid], RequestStatus.FINISHED_ABORTED)
+
+    @rule(data=st.data())
+    def abort_group(self, data):
+        """As the engine aborts: a request with all its parallel-sampling siblings."""
+        groups = sorted({rid.split("_", 1)[1] for rid in self.sched.requests})
+        if groups:
+            g = data.draw(st.sampled_from(groups))
+            ids = [rid for rid in self.sched.requests if rid.split("_", 1)[1] == g]
+            self.sched.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
 
     @invariant()
     def blocks_consistent(self):

@@ -330,6 +330,16 @@ def test_stop_strings_and_include_stop_str(tiny_llm):
     assert kept.text == full.text[:full.text.index(stop) + len(stop)]
 
 
+def test_stop_string_on_the_last_allowed_token_wins(tiny_llm):
+    p = dict(temperature=0.0, max_tokens=10, ignore_eos=True)
+    full = tiny_llm.generate("the last word", SamplingParams(**p), use_tqdm=False)[0].outputs[0]
+    tail = full.text[-2:]
+    assert len(tail) == 2 and full.text.find(tail) == len(full.text) - 2, "pick another prompt"
+    out = tiny_llm.generate("the last word", SamplingParams(stop=[tail], **p), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == full.token_ids  # the 10th token completes the stop string
+    assert out.finish_reason == "stop" and out.stop_reason == tail and out.text == full.text[:-2]
+
+
 def test_invalid_token_ids_in_params_are_rejected(tiny_llm):
     with pytest.raises(ValueError, match="allowed_token_ids"):
         tiny_llm.generate("x", SamplingParams(allowed_token_ids=[10**7]), use_tqdm=False)

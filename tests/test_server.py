@@ -163,6 +163,17 @@ def test_n_choices_and_token_prompts(client):
     assert [c.index for c in r.choices] == [0, 1]
 
 
+def test_n_streams_end_each_choice_once(client):
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "two ways"}], n=2, max_tokens=6,
+        temperature=1.0, seed=2, stream=True, extra_body={"stop_token_ids": [300], "min_tokens": 0}))
+    ends = [c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert sorted(ends) == [0, 1]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="x", n=1, best_of=3, stream=True)
+    assert e.value.body["param"] == "best_of"
+
+
 def test_logprobs_shapes(client):
     r = client.completions.create(model=MODEL, prompt="log probs", max_tokens=4, temperature=0,
                                   logprobs=3, echo=True, extra_body={"ignore_eos": True})

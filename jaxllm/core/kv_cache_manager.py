@@ -79,9 +79,14 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.prefix_queries += request.num_tokens
-        self.prefix_hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
+
+    def record_prefix_lookup(self, request: Request, num_hit_tokens: int) -> None:
+        """Counted once, when the request is admitted (a waiting request is looked up again
+        every step until it fits)."""
+        if self.enable_caching and not request.skip_prefix_cache:
+            self.prefix_queries += request.num_tokens
+            self.prefix_hits += num_hit_tokens
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         if not self.enable_caching:
@@ -186,6 +191,10 @@ class KVCacheManager:
         self.req_to_blocks[rid] = blocks
         self._cache_full_blocks(request, request.num_computed_tokens)
         return blocks, list(zip(host, blocks))
+
+    def release_copy_source(self, src: int) -> None:
+        self._hold_device.remove(src)
+        self.pool.free([src])
 
     def end_step(self) -> None:
         """The runner has done this step's copies: release their held sources."""

@@ -96,7 +96,8 @@ class Scheduler:
         self._held: dict[str, Request] = {}  # n > 1 siblings waiting for their leader's prompt
         self._finished_ids: set[str] = set()
         self._known_to_runner: set[str] = set()
-        self._pending_copies: list[tuple[int, int]] = []
+        # forks' copy-on-write block copies for the next step: request id -> (src, dst)
+        self._pending_copies: dict[str, tuple[int, int]] = {}
         self.num_preemptions = 0
         self.num_swaps = 0
 
@@ -142,7 +143,15 @@ class Scheduler:
             finished.append(req)
         return finished
 
+    def _drop_copy(self, req: Request) -> None:
+        """A sibling gives its blocks back before its pending copy ran: the copy must not
+        write into a block that may belong to someone else by then."""
+        copy = self._pending_copies.pop(req.request_id, None)
+        if copy is not None:
+            self.kv.release_copy_source(copy[0])
+
     def _free(self, req: Request, status: RequestStatus) -> None:
+        self._drop_copy(req)
         # siblings still waiting for this request's prompt now compute it themselves
         for sib in req.forks:
             if self._held.pop(sib.request_id, None) is not None:
@@ -213,7 +222,8 @@ class Scheduler:
                 swap_in += pairs
             else:
                 computed, num_hit = [], 0
-                if req.num_computed_tokens == 0:
+                looked_up = req.num_computed_tokens == 0
+                if looked_up:
                     computed, num_hit = self.kv.get_computed_blocks(req)
                 num_new = min(req.num_tokens - req.num_computed_tokens - num_hit, budget)
                 blocks = self.kv.allocate_slots(req, num_new, computed)
@@ -221,6 +231,8 @@ class Scheduler:
                     continue  # look again: the release may have dropped this one's hits too
                 if blocks is None:
                     break
+                if looked_up:
+                    self.kv.record_prefix_lookup(req, num_hit)
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = num_hit
                 req.num_computed_tokens += num_hit
@@ -231,6 +243,9 @@ class Scheduler:
             new_blocks[req.request_id] = blocks
             budget -= num_new
 
+        finished = self._finished_ids | {r.request_id for r in preempted}
+        # before the lists: a finished id may come back at once as a new request
+        self._known_to_runner -= finished
         new_reqs, cached_reqs = [], []
         for req in self.running:
             rid = req.request_id
@@ -244,10 +259,9 @@ class Scheduler:
                     rid, list(req.all_token_ids), req.num_prompt_tokens,
                     list(self.kv.get_blocks(rid)), req.num_computed_tokens,
                     req.sampling_params, req.seed, req.eos_token_id, req.bad_word_ids))
-        finished = self._finished_ids | {r.request_id for r in preempted}
-        self._known_to_runner -= finished
         self._finished_ids = set()
-        copies, self._pending_copies = self._pending_copies, []
+        copies = list(self._pending_copies.values())
+        self._pending_copies = {}
         return SchedulerOutput(new_reqs, cached_reqs, num_scheduled,
                                sum(num_scheduled.values()), finished, swap_out, swap_in, copies)
 
@@ -257,6 +271,7 @@ class Scheduler:
         released = False
         for req in self.waiting:
             if req is not keep and req.status == RequestStatus.WAITING and self.kv.get_blocks(req.request_id):
+                self._drop_copy(req)
                 self.kv.free(req)
                 req.num_computed_tokens = 0
                 req.num_cached_tokens = -1
@@ -310,7 +325,7 @@ class Scheduler:
             if got is not None:
                 sib.num_cached_tokens = sib.num_computed_tokens
                 if got[1] is not None:
-                    self._pending_copies.append(got[1])
+                    self._pending_copies[sib.request_id] = got[1]
             # with no free block the sibling recomputes its prompt like any new request
             self._enqueue(sib, front=True)
         leader.forks = []

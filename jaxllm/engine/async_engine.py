@@ -67,7 +67,7 @@ class AsyncEngine:
             self.engine = LLMEngine(self.config)
         except BaseException as e:  # a start-up failure is reported by /health
             logger.exception("engine failed to start")
-            self.error = e
+            self._fail(e)
             return
         self.ready.set()
         engine = self.engine
@@ -90,11 +90,17 @@ class AsyncEngine:
                     self._on_step(engine, outputs, elapsed)
         except BaseException as e:
             logger.exception("engine loop died")
-            self.error = e
-            for stream in list(self._streams.values()):
-                stream.put(EngineDeadError(str(e)))
+            self._fail(e)
         finally:
             engine.shutdown()  # followers on other processes stop with us
+
+    def _fail(self, error: BaseException) -> None:
+        """Every waiting stream learns that the engine is gone (none can register after)."""
+        with self._lock:
+            self.error = error
+            streams, self._streams = list(self._streams.values()), {}
+        for stream in streams:
+            stream.put(EngineDeadError(str(error)))
 
     def _drain_inbox(self, block: bool) -> bool:
         """Takes queued adds and aborts; True if there were any."""
@@ -124,10 +130,10 @@ class AsyncEngine:
         """Queue a request now (so admission control sees it at once) and return the stream
         of its outputs; the request is aborted (its blocks freed) if the consumer stops early,
         is cancelled, or never starts."""
-        if self.error is not None:
-            raise EngineDeadError(str(self.error))
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
+            if self.error is not None:
+                raise EngineDeadError(str(self.error))
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already in use")
             self._streams[request_id] = stream

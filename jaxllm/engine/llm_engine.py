@@ -228,10 +228,13 @@ class LLMEngine:
             raise ValueError("cache_salt must be a string")
         bad_word_ids = self._tokenize_bad_words(params.bad_words) if params.bad_words else None
         arrival = time.time() if arrival_time is None else arrival_time
-        reqs = []
         num = params.num_sequences
-        for i in range(num):
-            child_id = request_id if num == 1 else f"{i}_{request_id}"
+        child_ids = [request_id] if num == 1 else [f"{i}_{request_id}" for i in range(num)]
+        taken = [c for c in child_ids if c in self._children or c in self.scheduler.requests]
+        if taken:
+            raise ValueError(f"request_id {request_id!r} collides with running sequence {taken[0]!r}")
+        reqs, children = [], {}
+        for i, child_id in enumerate(child_ids):
             if params.seed is not None:
                 seed = (params.seed + i) & 0xFFFFFFFF
             else:
@@ -244,14 +247,16 @@ class LLMEngine:
                 detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens,
                                                params.stop_strings, params.include_stop_str_in_output,
                                                params.spaces_between_special_tokens)
-            self._children[child_id] = _Child(req, request_id, i, detok,
-                                              [] if params.logprobs is not None else None)
+            children[child_id] = _Child(req, request_id, i, detok,
+                                        [] if params.logprobs is not None else None)
             reqs.append(req)
-        plp = [None] if params.prompt_logprobs is not None else None
-        self._parents[request_id] = _Parent(request_id, text, ids, [r.request_id for r in reqs],
-                                            RequestMetrics(arrival), params, plp)
         # siblings of a parallel-sampling request start from the first one's prompt blocks
         self.scheduler.add_request(reqs[0], reqs[1:])
+        # only once the scheduler has taken it: a refused request leaves nothing behind
+        self._children.update(children)
+        plp = [None] if params.prompt_logprobs is not None else None
+        self._parents[request_id] = _Parent(request_id, text, ids, child_ids,
+                                            RequestMetrics(arrival), params, plp)
 
     def _tokenize_bad_words(self, words: list[str]) -> list[list[int]]:
         """Each bad word as token ids, alone and after a space (as it appears mid-text)."""
@@ -327,9 +332,12 @@ class LLMEngine:
                     child.logprobs.append(self._position_logprobs(upd.new_token_ids[0], lp))
             if child.detok is not None:
                 hit = child.detok.update(upd.new_token_ids)
-                if hit is not None and not req.status.finished:
+                if hit is not None:
                     req.stop_reason = hit
-                    self.scheduler.finish_requests(req.request_id, RequestStatus.FINISHED_STOPPED)
+                    if req.status.finished:  # the same token hit a length limit: the stop wins
+                        req.status = RequestStatus.FINISHED_STOPPED
+                    else:
+                        self.scheduler.finish_requests(req.request_id, RequestStatus.FINISHED_STOPPED)
             m = self._parents[child.parent_id].metrics
             m.first_token_time = m.first_token_time or now
             m.last_token_time = now

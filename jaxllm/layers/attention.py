@@ -93,34 +93,58 @@ def _chunk_slots(table_rows: jax.Array, c: jax.Array, chunk: int, bs: int) -> ja
 
 
 def _decode_pass(qg, kv_cache, layer, md, window, soft_cap):
-    """The last token of every sequence against its whole context, batched over sequences.
+    """The last token of every sequence against its whole context.
 
-    qg: [S, KVH, G, D] f32, already scaled. Returns [S, KVH, G, D].
+    qg: [S, KVH, G, D] f32, already scaled. Returns [S, KVH, G, D]. The work is the list of
+    (sequence, chunk of its context) pairs, taken S at a time, so a batch with one long context
+    among short ones gathers only the chunks that exist (batching by chunk index would gather
+    every sequence up to the longest). Partial results merge into their sequence's online
+    softmax with scatters.
     """
     S, KVH, G, D = qg.shape
     bs = md.block_size
     chunk = kv_chunk(bs, DECODE_CHUNK)
+    nb = chunk // bs
     last = jnp.maximum(md.query_start_loc[1:] - 1, 0)
     q_pos = md.positions[last]  # [S]
     lens = md.seq_lens
     lo = jnp.zeros_like(lens) if window is None else jnp.maximum(q_pos - window + 1, 0)
-    first = jnp.min(jnp.where(lens > 0, lo, jnp.iinfo(jnp.int32).max)) // chunk
-    last_chunk = -(-jnp.max(lens) // chunk)
+    first = lo // chunk                              # first chunk in the window
+    count = jnp.where(lens > 0, -(-lens // chunk) - first, 0)  # chunks per sequence
+    ends = jnp.cumsum(count)
+    total = ends[-1]
 
-    def body(c, state):
-        slots = _chunk_slots(md.block_tables, c, chunk, bs)  # [S, C]
+    def body(g, state):
+        m, l, acc = state
+        item = g * S + jnp.arange(S)                          # S work items at a time
+        valid = item < total
+        seq = jnp.minimum(jnp.searchsorted(ends, item, side="right"), S - 1)
+        c = first[seq] + item - (ends[seq] - count[seq])      # the item's chunk of its sequence
+        blocks = jnp.take_along_axis(md.block_tables[seq], (c * nb)[:, None] + jnp.arange(nb),
+                                     axis=1, mode="clip")
+        slots = (blocks[:, :, None] * bs + jnp.arange(bs)).reshape(S, chunk)
         # one gather straight from the stacked cache: slicing the layer out first would copy it
         k = kv_cache[layer, 0, :, slots].astype(jnp.float32)  # [S, C, KVH, D]
         v = kv_cache[layer, 1, :, slots].astype(jnp.float32)
-        s = _softcap(jnp.einsum("skgd,sckd->skgc", qg, k), soft_cap)
-        k_pos = c * chunk + jnp.arange(chunk)
-        mask = (k_pos[None, :] < lens[:, None]) & (k_pos[None, :] >= lo[:, None])
-        return _online_update(state, s, lambda p: jnp.einsum("skgc,sckd->skgd", p, v),
-                              mask[:, None, None, :])
+        s = _softcap(jnp.einsum("skgd,sckd->skgc", qg[seq], k), soft_cap)
+        k_pos = c[:, None] * chunk + jnp.arange(chunk)
+        mask = ((k_pos < lens[seq][:, None]) & (k_pos >= lo[seq][:, None]) & valid[:, None])
+        s = jnp.where(mask[:, None, None, :], s, _NEG)
+        m_item = s.max(-1)                                     # [S, KVH, G]
+        p = jnp.where(mask[:, None, None, :], jnp.exp(s - m_item[..., None]), 0.0)
+        l_item = p.sum(-1)
+        acc_item = jnp.einsum("skgc,sckd->skgd", p, v)
+        dst = jnp.where(valid, seq, S)                         # invalid items merge nowhere
+        m_new = m.at[dst].max(m_item, mode="drop")
+        w_old = jnp.exp(m - m_new)
+        w_item = jnp.exp(m_item - m_new[seq])
+        l = (l * w_old).at[dst].add(l_item * w_item, mode="drop")
+        acc = (acc * w_old[..., None]).at[dst].add(acc_item * w_item[..., None], mode="drop")
+        return m_new, l, acc
 
     init = (jnp.full((S, KVH, G), _NEG, jnp.float32), jnp.zeros((S, KVH, G), jnp.float32),
             jnp.zeros((S, KVH, G, D), jnp.float32))
-    return _finish(jax.lax.fori_loop(first, jnp.maximum(first, last_chunk), body, init))
+    return _finish(jax.lax.fori_loop(0, -(-total // S), body, init))
 
 
 def _prefill_pass(qg, out, kv_cache, layer, md, window, soft_cap):

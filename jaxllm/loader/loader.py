@@ -1,10 +1,12 @@
 """Resolve a model reference, read its config and weights, build the NNX model."""
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import logging
 import os
+import shutil
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,12 +65,31 @@ def _gguf_file(path: str) -> str | None:
     return None
 
 
+TOKENIZER_CACHE = os.environ.get("JAXLLM_TOKENIZER_CACHE_DIR",
+                                 os.path.expanduser("~/.cache/jaxllm/tokenizers"))
+
+
 def _load_tokenizer(path: str, gguf_file: str | None):
     from transformers import AutoTokenizer
-    if gguf_file:
-        return AutoTokenizer.from_pretrained(os.path.dirname(gguf_file),
-                                             gguf_file=os.path.basename(gguf_file))
-    return AutoTokenizer.from_pretrained(path)
+    if not gguf_file:
+        return AutoTokenizer.from_pretrained(path)
+    # Building a tokenizer from GGUF metadata takes seconds; keep the result for the next start.
+    st = os.stat(gguf_file)
+    key = hashlib.sha256(f"{os.path.abspath(gguf_file)}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    cached = os.path.join(TOKENIZER_CACHE, key)
+    if os.path.exists(os.path.join(cached, "tokenizer_config.json")):
+        try:
+            return AutoTokenizer.from_pretrained(cached)
+        except (OSError, ValueError):
+            logger.warning("cached tokenizer %s unreadable; rebuilding it", cached)
+    tok = AutoTokenizer.from_pretrained(os.path.dirname(gguf_file), gguf_file=os.path.basename(gguf_file))
+    try:
+        tmp = f"{cached}.tmp{os.getpid()}"
+        tok.save_pretrained(tmp)
+        os.replace(tmp, cached) if not os.path.exists(cached) else shutil.rmtree(tmp)
+    except OSError as e:  # a read-only home is no reason to fail
+        logger.warning("could not cache the tokenizer in %s: %s", cached, e)
+    return tok
 
 
 def get_tokenizer(model: str | None):
