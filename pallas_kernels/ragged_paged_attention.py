@@ -24,6 +24,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 _NEG = -1e30
 DECODE_ROWS = 16  # query rows per decode program: the smallest tensor-core tile
@@ -41,6 +42,12 @@ def pages_per_step(block_size: int) -> int:
 def q_tile(kv_group: int) -> int:
     """Tokens per prefill tile: 128 query rows (tokens x padded query heads per KV head)."""
     return max(1, 128 // next_pow2(kv_group))
+
+
+def _triton(num_warps: int):
+    # Pallas picks Mosaic GPU for a bare pallas_call on NVIDIA; these kernels are written for
+    # the Triton lowering (vector page gathers, any grid), so ask for it by name
+    return pltriton.CompilerParams(num_warps=num_warps, num_stages=2)
 
 
 def _prec(f32: bool):
@@ -149,6 +156,7 @@ def paged_decode(q, pages, layer, tables, lens, lo, *, kv_heads, blocks, block_s
                    jax.ShapeDtypeStruct((k_splits, S, KVH, rows), jnp.float32),
                    jax.ShapeDtypeStruct((k_splits, S, KVH, rows), jnp.float32)],
         interpret=interpret,
+        compiler_params=None if interpret else _triton(4),
         name="jaxllm_paged_decode",
     )(layer, qp, pages, tables, lens, lo)
     # combine the splits by their log-sum-exp
@@ -223,6 +231,7 @@ def paged_prefill_tiles(q, pages, layer, tables, meta, *, kv_heads, blocks, bloc
         out_specs=pl.BlockSpec((None, None, qt, gp, D), lambda w, h: (w, h, 0, 0, 0)),
         out_shape=jax.ShapeDtypeStruct((W, KVH, qt, gp, D), jnp.float32),
         interpret=interpret,
+        compiler_params=None if interpret else _triton(4),
         name="jaxllm_paged_prefill",
     )(layer, q, pages, tables, meta)
 

@@ -111,3 +111,28 @@ def test_engine_greedy_identical_with_either_backend(tiny_llama, tiny_llm):
     got = [o.outputs[0].token_ids for o in pallas.generate(prompts, params, use_tqdm=False)]
     want = [o.outputs[0].token_ids for o in tiny_llm.generate(prompts, params, use_tqdm=False)]
     assert got == want
+
+
+@pytest.mark.parametrize("dtype,head_dim,heads,kv_heads,window,soft_cap", [
+    (jnp.bfloat16, 128, 32, 8, None, None),   # Llama-3-8B's attention shape
+    (jnp.bfloat16, 64, 9, 3, None, None),     # the default model's (GQA 3)
+    (jnp.float32, 64, 8, 8, 16, 30.0),        # f32, no GQA, sliding window, soft cap
+])
+def test_kernels_lower_for_cuda_through_triton(dtype, head_dim, heads, kv_heads, window, soft_cap):
+    """Without a GPU, lower both kernels for CUDA: they must go through Pallas' Triton path
+    (a bare pallas_call picks Mosaic GPU there, which these kernels are not written for) and
+    every op in them must have a Triton lowering."""
+    from jax import export
+    seqs = [(100, 1), (33, 45), (0, 1), (250, 1)]
+    q, cache, layer, md = make_case(seqs, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                                    dtype=dtype, qt=q_tile(heads // kv_heads))
+    md = jax.tree.map(jnp.asarray, md)
+    fn = jax.jit(lambda q, c, md: ragged_paged_attention(q, c, layer, md, head_dim ** -0.5,
+                                                         window, soft_cap, interpret=False))
+    triton = "__gpu$xla.gpu.triton"
+    exp = export.export(fn, platforms=["cuda"],
+                        disabled_checks=[export.DisabledSafetyCheck.custom_call(triton)])(q, cache, md)
+    text = exp.mlir_module()
+    for name in ("jaxllm_paged_decode", "jaxllm_paged_prefill"):
+        assert f'name = "{name}"' in text
+    assert text.count(f"@{triton}") == 2 and "mosaic_gpu" not in text
