@@ -2,8 +2,11 @@
 # One command for a GPU machine: the GPU tests (Pallas kernels compiled for real, parity with
 # their references), the kernel benchmark, and the latency, throughput and serving benchmarks on
 # a Llama-3-8B-shaped model with random bf16 weights (gpu_memory_utilization 0.9).
-# Results go under $OUT/results when OUT is set (the device tool brings $OUT back), else
-# benchmarks/results. SUITE_MODEL / SUITE_SCALE=small shrink it for a dry run on a CPU.
+# Results go under benchmarks/results, or, when OUT is set (the device tool brings $OUT back),
+# into one archive in $OUT that is refreshed after every step. SUITE_MODEL / SUITE_SCALE=small shrink it for a dry run on a CPU.
+# Stages can be named to run a part (the device tool stops a command after 10 minutes, and the
+# compilation cache under .cache/ carries over between calls on a warm machine):
+#   benchmarks/gpu_suite.sh [tests] [kernels] [latency] [throughput] [serve]   (default: all)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # The GPU image lacks some of our dependencies (starlette, uvicorn, pydantic, ...) and reaches
@@ -14,7 +17,7 @@ if ls .whl/*.whl > /dev/null 2>&1; then
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
-RESULTS="${OUT:+$OUT/results}"
+RESULTS="${OUT:+/tmp/gpu_suite_results}"
 RESULTS="${RESULTS:-benchmarks/results}"
 mkdir -p "$RESULTS"
 MODEL="${SUITE_MODEL:-benchmarks/configs/llama-3-8b}"
@@ -25,6 +28,8 @@ TAG="${STAMP}_${DEVICE}"
 export JAXLLM_COMPILATION_CACHE_DIR="${JAXLLM_COMPILATION_CACHE_DIR:-$PWD/.cache/xla}"
 LOG="$RESULTS/gpu_suite_${TAG}.log"
 status=0
+STAGES="${*:-tests kernels latency throughput serve}"
+want() { [[ " $STAGES " == *" $1 "* ]]; }
 
 if [ "${SUITE_SCALE:-full}" = small ]; then
   MAX_LEN=256
@@ -46,42 +51,55 @@ step() {  # step NAME CMD...: run, log, remember failures, go on
   local rc=${PIPESTATUS[0]}
   echo "=== $name: exit $rc after $((SECONDS - t0)) s" | tee -a "$LOG"
   [ "$rc" -eq 0 ] || status=1
+  pack
+}
+
+pack() {  # the device tool brings back at most 8 files, and nothing of a run it had to stop
+  # unless it is already under $OUT: keep one archive of everything so far up to date there
+  [ -n "${OUT:-}" ] || return 0
+  tar czf "$OUT/gpu_suite_${TAG}.tar.gz.tmp" -C "$RESULTS" . \
+    && mv "$OUT/gpu_suite_${TAG}.tar.gz.tmp" "$OUT/gpu_suite_${TAG}.tar.gz"
 }
 
 { nvidia-smi || true; python3 -c 'import jax; print(jax.__version__, jax.devices())'; } 2>&1 | tee -a "$LOG"
 
-if [ "${SUITE_SCALE:-full}" = small ]; then  # no GPU: the kernels in interpret mode
-  step "kernel tests" python3 -m pytest -q tests/test_kernels.py
-else
-  step "gpu tests" env JAXLLM_GPU_TESTS=1 python3 -m pytest -q tests/test_kernels.py
+if want tests; then
+  if [ "${SUITE_SCALE:-full}" = small ]; then  # no GPU: the kernels in interpret mode
+    step "kernel tests" python3 -m pytest -q tests/test_kernels.py
+  else
+    step "gpu tests" env JAXLLM_GPU_TESTS=1 python3 -m pytest -q tests/test_kernels.py
+  fi
 fi
-step "kernel benchmark" python3 -m jaxllm.cli bench kernels --grid "$KGRID" \
+want kernels && step "kernel benchmark" python3 -m jaxllm.cli bench kernels --grid "$KGRID" \
   --results-dir "$RESULTS" --tag "kernels_${TAG}"
-step "latency" python3 -m jaxllm.cli bench latency "${ENGINE[@]}" --input-len "$IN_LEN" \
-  --output-len "$OUT_LEN" --batch-size "$BATCH" --num-iters 3 --results-dir "$RESULTS" --tag "latency_${TAG}"
-step "throughput (ShareGPT-like mix)" python3 -m jaxllm.cli bench throughput "${ENGINE[@]}" \
-  --dataset-name sharegpt --num-prompts "$N_THROUGHPUT" --no-hf-baseline \
+want latency && step "latency" python3 -m jaxllm.cli bench latency "${ENGINE[@]}" \
+  --input-len "$IN_LEN" --output-len "$OUT_LEN" --batch-size "$BATCH" --num-iters 3 \
+  --results-dir "$RESULTS" --tag "latency_${TAG}"
+want throughput && step "throughput (ShareGPT-like mix)" python3 -m jaxllm.cli bench throughput \
+  "${ENGINE[@]}" --dataset-name sharegpt --num-prompts "$N_THROUGHPUT" --no-hf-baseline \
   --results-dir "$RESULTS" --tag "throughput_sharegpt_${TAG}"
 
-PORT=8765
-python3 -m jaxllm.cli serve "${ENGINE[@]}" --port "$PORT" --log-interval 30 \
-  > "$RESULTS/serve_server_${TAG}.log" 2>&1 &
-SERVER=$!
-for _ in $(seq 1 600); do
-  curl -sf "http://127.0.0.1:$PORT/health/ready" > /dev/null && break
-  kill -0 "$SERVER" 2> /dev/null || break
-  sleep 1
-done
-step "serving" python3 -m jaxllm.cli bench serve --base-url "http://127.0.0.1:$PORT" \
-  --dataset-name sharegpt --num-prompts "$N_SERVE" --max-concurrency "$CONC" --ignore-eos \
-  --max-model-len "$MAX_LEN" --vocab-size 32000 --save-result --plot --results-dir "$RESULTS" \
-  --tag "serve_sharegpt_${TAG}"
-kill -TERM "$SERVER" 2> /dev/null
-wait "$SERVER"
+if want serve; then
+  PORT=8765
+  python3 -m jaxllm.cli serve "${ENGINE[@]}" --port "$PORT" --log-interval 30 \
+    > "$RESULTS/serve_server_${TAG}.log" 2>&1 &
+  SERVER=$!
+  for _ in $(seq 1 600); do
+    curl -sf "http://127.0.0.1:$PORT/health/ready" > /dev/null && break
+    kill -0 "$SERVER" 2> /dev/null || break
+    sleep 1
+  done
+  step "serving" python3 -m jaxllm.cli bench serve --base-url "http://127.0.0.1:$PORT" \
+    --dataset-name sharegpt --num-prompts "$N_SERVE" --max-concurrency "$CONC" --ignore-eos \
+    --max-model-len "$MAX_LEN" --vocab-size 32000 --save-result --plot --results-dir "$RESULTS" \
+    --tag "serve_sharegpt_${TAG}"
+  kill -TERM "$SERVER" 2> /dev/null
+  wait "$SERVER"
+fi
 
 echo "results in $RESULTS (status $status)" | tee -a "$LOG"
+pack
 if [ -n "${OUT:-}" ]; then
-  # the device tool brings back at most 8 files: everything in one archive, the log beside it
-  tar czf "$OUT/gpu_suite_${TAG}.tar.gz" -C "$RESULTS" . && cp "$LOG" "$OUT/" && rm -rf "$RESULTS"
+  cp "$LOG" "$OUT/"
 fi
 exit $status
