@@ -83,12 +83,15 @@ def _load_tokenizer(path: str, gguf_file: str | None):
         except (OSError, ValueError):
             logger.warning("cached tokenizer %s unreadable; rebuilding it", cached)
     tok = AutoTokenizer.from_pretrained(os.path.dirname(gguf_file), gguf_file=os.path.basename(gguf_file))
+    tmp = f"{cached}.tmp{os.getpid()}"
     try:
-        tmp = f"{cached}.tmp{os.getpid()}"
         tok.save_pretrained(tmp)
-        os.replace(tmp, cached) if not os.path.exists(cached) else shutil.rmtree(tmp)
-    except OSError as e:  # a read-only home is no reason to fail
-        logger.warning("could not cache the tokenizer in %s: %s", cached, e)
+        os.replace(tmp, cached)  # atomic; fails if another process got there first
+    except OSError as e:  # that, or a read-only home: no reason to fail the start
+        if not os.path.exists(os.path.join(cached, "tokenizer_config.json")):
+            logger.warning("could not cache the tokenizer in %s: %s", cached, e)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return tok
 
 
