@@ -28,15 +28,25 @@ from jax.experimental.pallas import triton as pltriton
 
 _NEG = -1e30
 DECODE_ROWS = 16  # query rows per decode program: the smallest tensor-core tile
+DECODE_WARPS, PREFILL_WARPS = 4, 8
 
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def pages_per_step(block_size: int) -> int:
-    """Pages gathered per loop iteration: 128 tokens of K and of V."""
-    return max(1, 128 // block_size)
+def keys_per_step(head_dim: int, dtype) -> int:
+    """Keys per loop iteration: at most 128, and a K (or V) chunk of at most 32 KiB in bf16 or
+    16 KiB in f32, so that two pipeline stages of K and V plus the query tile fit in an SM's
+    shared memory (f32 at head_dim 128 with 128 keys asks for 270 KB of the H100's 227 KB)."""
+    size = jnp.dtype(dtype).itemsize
+    budget = 16384 if size >= 4 else 32768
+    return max(16, min(128, budget // (head_dim * size)))
+
+
+def pages_per_step(block_size: int, keys: int = 128) -> int:
+    """Pages gathered per loop iteration: `keys` tokens of K and of V."""
+    return max(1, keys // block_size)
 
 
 def q_tile(kv_group: int) -> int:
@@ -50,26 +60,30 @@ def _triton(num_warps: int):
     return pltriton.CompilerParams(num_warps=num_warps, num_stages=2)
 
 
-def _prec(f32: bool):
-    # f32 inputs must not silently drop to TF32 on the tensor cores
-    return jax.lax.Precision.HIGHEST if f32 else None
+def _prec(dtype, interpret: bool):
+    """f32 inputs must not silently drop to TF32: on a GPU they take three TF32 tensor-core
+    passes (near-f32 error; plain f32 FMA dots spill kilobytes of registers per thread), in
+    interpret mode exact f32."""
+    if dtype != jnp.float32:
+        return None
+    return jax.lax.Precision.HIGHEST if interpret else jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
 
 
-def _scores(q, k, scale, soft_cap, f32):
-    s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=_prec(f32),
+def _scores(q, k, scale, soft_cap, prec):
+    s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=prec,
                             preferred_element_type=jnp.float32) * scale
     if soft_cap is not None:
         s = soft_cap * jnp.tanh(s / soft_cap)
     return s
 
 
-def _online(carry, s, v, f32):
+def _online(carry, s, v, prec):
     """One online-softmax step over a chunk of keys (masked scores are already _NEG)."""
     o, m, l = carry
     m_new = jnp.maximum(m, s.max(axis=-1))
     p = jnp.exp(s - m_new[:, None])
     corr = jnp.exp(m - m_new)
-    pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=_prec(f32),
+    pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=prec,
                              preferred_element_type=jnp.float32)
     return o * corr[:, None] + pv, m_new, l * corr + p.sum(axis=-1)
 
@@ -81,11 +95,10 @@ def flat_pages(kv_cache: jax.Array, block_size: int) -> jax.Array:
 
 # decode
 def _decode_kernel(layer_ref, q_ref, pages_ref, table_ref, len_ref, lo_ref, o_ref, m_ref, l_ref,
-                   *, kv_heads, blocks, block_size, pages_per_split, scale, soft_cap, f32):
+                   *, kv_heads, blocks, block_size, pages_per_split, pps, scale, soft_cap, prec):
     h = pl.program_id(1)
     split = pl.program_id(2)
     rows, D = q_ref.shape
-    pps = pages_per_step(block_size)
     chunk = pps * block_size
     layer = layer_ref[0]
     length = len_ref[0]
@@ -102,10 +115,10 @@ def _decode_kernel(layer_ref, q_ref, pages_ref, table_ref, len_ref, lo_ref, o_re
         ids = table_ref[pl.ds(c * pps, pps)]
         k = pages_ref[k_base + ids].reshape(chunk, D)
         v = pages_ref[v_base + ids].reshape(chunk, D)
-        s = _scores(q, k, scale, soft_cap, f32)
+        s = _scores(q, k, scale, soft_cap, prec)
         pos = (first + c * pps) * block_size + jax.lax.broadcasted_iota(jnp.int32, (rows, chunk), 1)
         s = jnp.where((pos < length) & (pos >= lo), s, _NEG)
-        return _online(carry, s, v, f32)
+        return _online(carry, s, v, prec)
 
     init = (jnp.zeros((rows, D), jnp.float32), jnp.full((rows,), _NEG, jnp.float32),
             jnp.zeros((rows,), jnp.float32))
@@ -119,7 +132,8 @@ def _decode_kernel(layer_ref, q_ref, pages_ref, table_ref, len_ref, lo_ref, o_re
 
 
 def paged_decode(q, pages, layer, tables, lens, lo, *, kv_heads, blocks, block_size, scale,
-                 soft_cap=None, k_splits=8, interpret=False):
+                 soft_cap=None, k_splits=8, keys=None, num_warps=DECODE_WARPS,
+                 interpret=False):
     """One query token per sequence against its context, split-K over the context.
 
     q: [S, KVH, G, D]; pages: flat_pages(cache); layer: [1] i32; tables: [S, MB];
@@ -127,7 +141,7 @@ def paged_decode(q, pages, layer, tables, lens, lo, *, kv_heads, blocks, block_s
     Returns [S, KVH, G, D] f32."""
     S, KVH, G, D = q.shape
     rows = max(DECODE_ROWS, next_pow2(G))
-    pps = pages_per_step(block_size)
+    pps = pages_per_step(block_size, keys or keys_per_step(D, pages.dtype))
     width = max(next_pow2(tables.shape[1]), pps)
     k_splits = max(1, min(k_splits, width // pps))
     per_split = width // k_splits
@@ -135,7 +149,8 @@ def paged_decode(q, pages, layer, tables, lens, lo, *, kv_heads, blocks, block_s
     qp = jnp.pad(q, ((0, 0), (0, 0), (0, rows - G), (0, 0)))
     kernel = functools.partial(
         _decode_kernel, kv_heads=KVH, blocks=blocks, block_size=block_size,
-        pages_per_split=per_split, scale=scale, soft_cap=soft_cap, f32=q.dtype == jnp.float32)
+        pages_per_split=per_split, pps=pps, scale=scale, soft_cap=soft_cap,
+        prec=_prec(q.dtype, interpret))
     o, m, l = pl.pallas_call(
         kernel,
         grid=(S, KVH, k_splits),
@@ -156,7 +171,7 @@ def paged_decode(q, pages, layer, tables, lens, lo, *, kv_heads, blocks, block_s
                    jax.ShapeDtypeStruct((k_splits, S, KVH, rows), jnp.float32),
                    jax.ShapeDtypeStruct((k_splits, S, KVH, rows), jnp.float32)],
         interpret=interpret,
-        compiler_params=None if interpret else _triton(4),
+        compiler_params=None if interpret else _triton(num_warps),
         name="jaxllm_paged_decode",
     )(layer, qp, pages, tables, lens, lo)
     # combine the splits by their log-sum-exp
@@ -169,11 +184,10 @@ def paged_decode(q, pages, layer, tables, lens, lo, *, kv_heads, blocks, block_s
 
 # prefill tiles
 def _tile_kernel(layer_ref, q_ref, pages_ref, table_ref, meta_ref, o_ref,
-                 *, kv_heads, blocks, block_size, group, window, scale, soft_cap, f32):
+                 *, kv_heads, blocks, block_size, pps, window, scale, soft_cap, prec):
     h = pl.program_id(1)
     qt, gp, D = o_ref.shape
     rows = qt * gp
-    pps = pages_per_step(block_size)
     chunk = pps * block_size
     layer = layer_ref[0]
     start, pos0, nrows = meta_ref[0], meta_ref[1], meta_ref[2]
@@ -189,12 +203,12 @@ def _tile_kernel(layer_ref, q_ref, pages_ref, table_ref, meta_ref, o_ref,
         ids = table_ref[pl.ds(c * pps, pps)]
         k = pages_ref[k_base + ids].reshape(chunk, D)
         v = pages_ref[v_base + ids].reshape(chunk, D)
-        s = _scores(q, k, scale, soft_cap, f32)
+        s = _scores(q, k, scale, soft_cap, prec)
         k_pos = c * chunk + jax.lax.broadcasted_iota(jnp.int32, (rows, chunk), 1)
         ok = k_pos <= q_pos
         if window is not None:
             ok &= k_pos > q_pos - window
-        return _online(carry, jnp.where(ok, s, _NEG), v, f32)
+        return _online(carry, jnp.where(ok, s, _NEG), v, prec)
 
     init = (jnp.zeros((rows, D), jnp.float32), jnp.full((rows,), _NEG, jnp.float32),
             jnp.zeros((rows,), jnp.float32))
@@ -206,18 +220,19 @@ def _tile_kernel(layer_ref, q_ref, pages_ref, table_ref, meta_ref, o_ref,
 
 
 def paged_prefill_tiles(q, pages, layer, tables, meta, *, kv_heads, blocks, block_size, qt,
-                        scale, window=None, soft_cap=None, interpret=False):
+                        scale, window=None, soft_cap=None, keys=None,
+                        num_warps=PREFILL_WARPS, interpret=False):
     """q: [KVH, T, Gp, D] queries by KV head (padded with qt rows at the end);
     tables: [W, MB] the block-table row of each tile's sequence; meta: [W, 4] (first token,
     its position, valid rows, unused). Returns [W, KVH, qt, Gp, D] f32."""
     KVH, Tp, gp, D = q.shape
     W = meta.shape[0]
-    pps = pages_per_step(block_size)
+    pps = pages_per_step(block_size, keys or keys_per_step(D, pages.dtype))
     width = max(next_pow2(tables.shape[1]), pps)
     tables = jnp.pad(tables, ((0, 0), (0, width - tables.shape[1])))
     kernel = functools.partial(
-        _tile_kernel, kv_heads=KVH, blocks=blocks, block_size=block_size, group=gp,
-        window=window, scale=scale, soft_cap=soft_cap, f32=q.dtype == jnp.float32)
+        _tile_kernel, kv_heads=KVH, blocks=blocks, block_size=block_size, pps=pps,
+        window=window, scale=scale, soft_cap=soft_cap, prec=_prec(q.dtype, interpret))
     return pl.pallas_call(
         kernel,
         grid=(W, KVH),
@@ -231,7 +246,7 @@ def paged_prefill_tiles(q, pages, layer, tables, meta, *, kv_heads, blocks, bloc
         out_specs=pl.BlockSpec((None, None, qt, gp, D), lambda w, h: (w, h, 0, 0, 0)),
         out_shape=jax.ShapeDtypeStruct((W, KVH, qt, gp, D), jnp.float32),
         interpret=interpret,
-        compiler_params=None if interpret else _triton(4),
+        compiler_params=None if interpret else _triton(num_warps),
         name="jaxllm_paged_prefill",
     )(layer, q, pages, tables, meta)
 
