@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -34,6 +35,38 @@ def setup_compilation_cache(cache_dir: str | None) -> None:
     jax.config.update("jax_compilation_cache_dir", cache_dir)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+MEM_FRACTION_VARS = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")
+JAX_MEM_FRACTION = 0.75  # JAX's GPU allocator takes this share of the device when not told
+ALLOCATOR_SLACK = 0.03   # of the usable memory, left free for fragmentation and autotuning
+
+
+def claim_device_memory(utilization: float) -> bool:
+    """gpu_memory_utilization is a share of the whole device, as in vLLM, but JAX's GPU
+    allocator preallocates 75% of it unless told otherwise. Before JAX starts a backend, give
+    the allocator that share; a fraction the user set, or a backend already up, is left be."""
+    from jax._src import xla_bridge
+    if any(os.environ.get(v) for v in MEM_FRACTION_VARS) or xla_bridge.backends_are_initialized():
+        return False
+    os.environ[MEM_FRACTION_VARS[0]] = f"{utilization:.4f}"
+    return True
+
+
+def allocator_fraction() -> float:
+    for var in MEM_FRACTION_VARS:
+        if os.environ.get(var):
+            return float(os.environ[var])
+    return JAX_MEM_FRACTION
+
+
+def kv_budget_bytes(limit: int, in_use: int, scratch: int, utilization: float,
+                    fraction: float) -> int:
+    """Bytes left for the KV cache: `utilization` of the whole device (limit / fraction), as
+    far as the allocator's pool (`limit`) reaches, less a little slack, what is already in use
+    (the weights) and the largest step's scratch."""
+    usable = min(utilization * limit / fraction, limit)
+    return int(usable * (1 - ALLOCATOR_SLACK)) - in_use - scratch
 
 
 def resolve_dtype(name: str, platform: str):
@@ -69,6 +102,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         start = time.perf_counter()
         self.config = config
+        claim_device_memory(config.gpu_memory_utilization)
         if config.num_processes > 1:  # before anything touches a device
             mp.initialize(config.distributed_coordinator, config.num_processes, config.process_id)
         setup_compilation_cache(config.compilation_cache_dir)
@@ -157,7 +191,8 @@ class LLMEngine:
         scratch = probe.activation_bytes()
         del probe
         in_use = dev.memory_stats().get("bytes_in_use", 0)
-        budget = int(cfg.gpu_memory_utilization * limit) - in_use - scratch
+        budget = kv_budget_bytes(limit, in_use, scratch, cfg.gpu_memory_utilization,
+                                 allocator_fraction())
         logger.info("memory: limit %.2f GiB, in use %.2f GiB, step scratch %.2f GiB",
                     limit / 2**30, in_use / 2**30, scratch / 2**30)
         return max(0, budget // per_block)

@@ -221,14 +221,15 @@ BACKENDS = ("xla", "pallas")
 
 
 def paged_attention(q, kv_cache, layer, md, scale, sliding_window=None, soft_cap=None,
-                    backend="xla"):
+                    backend="xla", platform=None):
+    """platform: where the step runs (default: JAX's default backend); off a GPU the Pallas
+    kernels run in their interpreter (tests, CPU runs)."""
     if backend == "xla":
         return paged_attention_xla(q, kv_cache, layer, md, scale, sliding_window, soft_cap)
     if backend == "pallas":
         from pallas_kernels.ragged_paged_attention import ragged_paged_attention
-        # off a GPU the kernels run in Pallas' interpreter (tests, CPU runs)
         return ragged_paged_attention(q, kv_cache, layer, md, scale, sliding_window, soft_cap,
-                                      interpret=jax.default_backend() != "gpu")
+                                      interpret=(platform or jax.default_backend()) != "gpu")
     raise ValueError(f"unknown attention backend {backend!r}; choose from {BACKENDS}")
 
 
@@ -236,11 +237,14 @@ def attention_block(q, k, v, kv_cache, layer, md, scale, sliding_window=None, ba
                     mesh=None, soft_cap=None):
     """Write the step's K/V into the cache, then attend: (out [T, H, D], new cache). Under
     tensor parallelism both run per device on its heads (shard_map), with specs from the
-    same logical-axis table as the parameters."""
+    same logical-axis table as the parameters. The mesh's devices say where the step runs
+    (they may be a GPU compile target on a machine without one: jaxllm bench aot)."""
+    platform = None if mesh is None else mesh.devices.flat[0].platform
+
     def local(q, k, v, kv_cache, layer, md):
         kv_cache = write_kv(kv_cache, layer, k, v, md.slot_mapping)
         return paged_attention(q, kv_cache, layer, md, scale, sliding_window, soft_cap,
-                               backend), kv_cache
+                               backend, platform), kv_cache
 
     if mesh is None or mesh.size == 1:
         return local(q, k, v, kv_cache, layer, md)

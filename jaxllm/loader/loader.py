@@ -140,6 +140,20 @@ def _param_name(path_keys) -> str:
     return ".".join(keys)
 
 
+def abstract_model(arch: ArchConfig, dtype, attention_backend: str, mesh):
+    """The model's graph, the shapes of its parameters (no memory) and their shardings on
+    `mesh`; arch is the runtime architecture (after tensor-parallel padding)."""
+    from jaxllm.models.llama import PARAM_AXES
+    from jaxllm.parallel import sharding
+    cls = get_model_class(arch.architecture)
+    abstract = nnx.eval_shape(lambda: cls(arch, dtype, rngs=nnx.Rngs(0),
+                                          attention_backend=attention_backend, mesh=mesh))
+    graphdef, abstract_state = nnx.split(abstract)
+    shardings = jax.tree_util.tree_map_with_path(
+        lambda p, leaf: sharding(mesh, *PARAM_AXES[_param_name(p)]), abstract_state)
+    return graphdef, abstract_state, shardings
+
+
 def load_model(model: str | None, dtype, load_format: str = "auto", seed: int = 0,
                tokenizer: str | None = None, attention_backend: str = "xla",
                load_tokenizer: bool = True, mesh=None) -> LoadedModel:
@@ -147,8 +161,7 @@ def load_model(model: str | None, dtype, load_format: str = "auto", seed: int = 
     shards of `mesh` (default: a mesh of the first device). With tensor parallelism the
     model's shapes are padded / repeated per jaxllm.parallel.plan; each device receives only
     its slice of every tensor."""
-    from jaxllm.models.llama import PARAM_AXES
-    from jaxllm.parallel import make_mesh, plan, runtime_arch, sharding, transform_weights
+    from jaxllm.parallel import make_mesh, plan, runtime_arch, transform_weights
 
     mesh = mesh if mesh is not None else make_mesh(1)
     path = resolve_model_path(model)
@@ -159,11 +172,7 @@ def load_model(model: str | None, dtype, load_format: str = "auto", seed: int = 
     tp = plan(ckpt_arch, mesh.size)
     arch = runtime_arch(ckpt_arch, tp)
     cls = get_model_class(arch.architecture)
-    abstract = nnx.eval_shape(lambda: cls(arch, dtype, rngs=nnx.Rngs(0),
-                                          attention_backend=attention_backend, mesh=mesh))
-    graphdef, abstract_state = nnx.split(abstract)
-    shardings = jax.tree_util.tree_map_with_path(
-        lambda p, leaf: sharding(mesh, *PARAM_AXES[_param_name(p)]), abstract_state)
+    graphdef, abstract_state, shardings = abstract_model(arch, dtype, attention_backend, mesh)
     if dummy:
         # random weights of real shapes, each device making only its own shards
         def init():

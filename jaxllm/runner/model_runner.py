@@ -114,6 +114,50 @@ def _host(x) -> np.ndarray:
     return np.asarray(x if x.is_fully_addressable else x.addressable_data(0))
 
 
+def build_step(graphdef, vocab: int, state_sharding, kv_sharding, replicated):
+    """The one jitted engine step: the model over the flat batch, the logits of the rows that
+    sample, sampling, and prompt logprobs when asked for. The cache and sampler state are
+    donated."""
+
+    def step(state, kv_cache, sampler_state, input_ids, md, logits_indices, smd):
+        model = nnx.merge(graphdef, state)
+        hidden, kv_cache = model(kv_cache, input_ids, md)
+        logits = model.compute_logits(hidden[logits_indices])
+        (tokens, lp, rank, top_ids, top_lp), sampler_state = sample(logits, smd, sampler_state)
+        T, k = hidden.shape[0], min(MAX_LOGPROBS, vocab)
+        zeros = (jnp.zeros(T, jnp.float32), jnp.zeros(T, jnp.int32),
+                 jnp.zeros((T, k), jnp.int32), jnp.zeros((T, k), jnp.float32))
+        plp = jax.lax.cond(
+            smd.any_prompt_logprobs,
+            lambda h: prompt_logprobs(model.compute_logits, h, smd.next_ids,
+                                      md.query_start_loc[-1], vocab),
+            lambda h: zeros, hidden)
+        return SamplerOutput(tokens, lp, rank, top_ids, top_lp, *plp), kv_cache, sampler_state
+
+    rep = replicated
+    return jax.jit(step, donate_argnums=(1, 2),
+                   in_shardings=(state_sharding, kv_sharding, rep, rep, rep, rep, rep),
+                   out_shardings=(rep, kv_sharding, rep))
+
+
+def abstract_step_inputs(T: int, S: int, block_size: int, max_blocks_per_seq: int, qt: int):
+    """Shapes of a (T tokens, S sequences) step's inputs after the state, cache and sampler
+    state: input ids, attention metadata, logits indices, sampling metadata."""
+    i32, f32, b = jnp.int32, jnp.float32, jnp.bool_
+    sds = jax.ShapeDtypeStruct
+    W = max_tiles(T, S, qt)
+    md = AttentionMetadata(sds((T,), i32), sds((T,), i32), sds((T,), i32), sds((S + 1,), i32),
+                           sds((S,), i32), sds((S, max_blocks_per_seq), i32),
+                           sds((W,), i32), sds((W,), i32), sds((), i32),
+                           block_size=block_size, q_tile=qt)
+    smd = SamplingMetadata(
+        sds((S,), f32), sds((S,), i32), sds((S,), f32), sds((S,), f32), sds((S,), jnp.uint32),
+        sds((S,), i32), sds((S,), i32), sds((S,), b), sds((S,), f32), sds((S,), f32),
+        sds((S,), f32), sds((S,), i32), sds((S,), b), sds((S, MAX_BANNED), i32), sds((T,), i32),
+        *[sds((), b)] * 8)
+    return sds((T,), i32), md, sds((S,), i32), smd
+
+
 class ModelRunner:
     def __init__(self, loaded, dtype, num_blocks: int, block_size: int, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, num_host_blocks: int = 0,
@@ -147,28 +191,10 @@ class ModelRunner:
         self.num_steps = 0
         self.num_compiles_after_warmup = 0
         self.channel = mp.Channel() if jax.process_count() > 1 else None
-        graphdef, vocab = self.graphdef, self.vocab
-
-        def step(state, kv_cache, sampler_state, input_ids, md, logits_indices, smd):
-            model = nnx.merge(graphdef, state)
-            hidden, kv_cache = model(kv_cache, input_ids, md)
-            logits = model.compute_logits(hidden[logits_indices])
-            (tokens, lp, rank, top_ids, top_lp), sampler_state = sample(logits, smd, sampler_state)
-            T, k = hidden.shape[0], min(MAX_LOGPROBS, vocab)
-            zeros = (jnp.zeros(T, jnp.float32), jnp.zeros(T, jnp.int32),
-                     jnp.zeros((T, k), jnp.int32), jnp.zeros((T, k), jnp.float32))
-            plp = jax.lax.cond(
-                smd.any_prompt_logprobs,
-                lambda h: prompt_logprobs(model.compute_logits, h, smd.next_ids,
-                                          md.query_start_loc[-1], vocab),
-                lambda h: zeros, hidden)
-            return SamplerOutput(tokens, lp, rank, top_ids, top_lp, *plp), kv_cache, sampler_state
-
-        state_sharding = jax.tree.map(lambda x: x.sharding, self.state)
+        self._step = build_step(self.graphdef, self.vocab,
+                                jax.tree.map(lambda x: x.sharding, self.state),
+                                self.kv_sharding, self.replicated)
         rep = self.replicated
-        self._step = jax.jit(step, donate_argnums=(1, 2),
-                             in_shardings=(state_sharding, self.kv_sharding, rep, rep, rep, rep, rep),
-                             out_shardings=(rep, self.kv_sharding, rep))
         self._set_rows = jax.jit(set_rows, donate_argnums=(0,), in_shardings=rep, out_shardings=rep)
 
     def q_tile(self, T: int) -> int:
@@ -176,20 +202,7 @@ class ModelRunner:
 
     # compilation
     def _abstract_inputs(self, T: int, S: int):
-        i32, f32, b = jnp.int32, jnp.float32, jnp.bool_
-        sds = jax.ShapeDtypeStruct
-        qt = self.q_tile(T)
-        W = max_tiles(T, S, qt)
-        md = AttentionMetadata(sds((T,), i32), sds((T,), i32), sds((T,), i32), sds((S + 1,), i32),
-                               sds((S,), i32), sds((S, self.max_blocks_per_seq), i32),
-                               sds((W,), i32), sds((W,), i32), sds((), i32),
-                               block_size=self.block_size, q_tile=qt)
-        smd = SamplingMetadata(
-            sds((S,), f32), sds((S,), i32), sds((S,), f32), sds((S,), f32), sds((S,), jnp.uint32),
-            sds((S,), i32), sds((S,), i32), sds((S,), b), sds((S,), f32), sds((S,), f32),
-            sds((S,), f32), sds((S,), i32), sds((S,), b), sds((S, MAX_BANNED), i32), sds((T,), i32),
-            *[sds((), b)] * 8)
-        return sds((T,), i32), md, sds((S,), i32), smd
+        return abstract_step_inputs(T, S, self.block_size, self.max_blocks_per_seq, self.q_tile(T))
 
     def _abstract(self, tree):
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)

@@ -1,0 +1,224 @@
+"""Compile for an NVIDIA GPU on a machine that has none (XLA's deviceless ahead-of-time path):
+
+* the Pallas kernels at real model shapes, each reported with ptxas' register and spill count
+  and the matrix instructions it uses (wgmma, mma.sync or plain FMA); a kernel that asks for
+  more shared memory than the GPU has fails here as it would on the device;
+* the engine step of a real-shaped model (default Llama-3-8B in bf16 with the Pallas backend)
+  at a few (tokens, sequences) shapes: compile time and XLA's memory analysis, and from them
+  the KV-cache blocks that gpu_memory_utilization leaves.
+
+Nothing runs, so nothing here is a speed; it shows that the GPU programs build, and how heavy
+they are, before a GPU session spends device time on it. Needs JAX's CUDA plugin
+(`pip install "jax[cuda13]"`, in its own environment: with it installed, JAX on a CPU-only
+machine complains at every start); no GPU, no driver.
+
+    jaxllm bench aot [--target benchmarks/configs/h100-target.txtpb]
+        [--model benchmarks/configs/llama-3-8b] [--steps 8192x256,256x256,32x32,1x1]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import glob
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks.common import write_result
+
+DUMP = os.path.join(tempfile.gettempdir(), f"jaxllm_aot_{os.getpid()}")
+
+KERNEL_SHAPES = [  # (name, dtype, heads, kv_heads, head_dim, sliding window, soft cap)
+    ("llama-3-8b", "bfloat16", 32, 8, 128, None, None),
+    ("qwen2.5-7b", "bfloat16", 28, 4, 128, None, None),
+    ("llama-3.2-1b", "bfloat16", 32, 8, 64, None, None),
+    ("smollm2-135m", "bfloat16", 9, 3, 64, None, None),
+    ("llama-3-8b f32", "float32", 32, 8, 128, None, None),
+    ("f32 window soft-cap", "float32", 8, 8, 64, 16, 30.0),
+]
+
+
+def _ptxas() -> str | None:
+    import nvidia
+    for root in nvidia.__path__:
+        for cand in glob.glob(os.path.join(root, "*", "bin", "ptxas")):
+            return cand
+    return shutil.which("ptxas")
+
+
+def _fresh_dump() -> None:
+    shutil.rmtree(DUMP, ignore_errors=True)
+    os.makedirs(DUMP)
+
+
+def _kernel_reports(arch: str) -> list[dict]:
+    """ptxas -v over every Pallas kernel in the dump."""
+    ptxas = _ptxas()
+    out = []
+    for path in sorted(glob.glob(os.path.join(DUMP, "*.ptx"))):
+        text = open(path).read()
+        names = re.findall(r"\.visible \.entry (jaxllm_\w+)\(", text)
+        if not names:
+            continue
+        rep = dict(kernel=names[0],
+                   matrix="wgmma" if "wgmma.mma_async" in text else
+                   "mma.sync" if "mma.sync" in text else "fma")
+        if ptxas:
+            info = subprocess.run([ptxas, f"-arch={arch}", "-v", path, "-o", os.devnull],
+                                  capture_output=True, text=True).stderr
+            m = re.search(r"Used (\d+) registers", info)
+            rep["registers"] = int(m.group(1)) if m else None
+            m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", info)
+            rep["spill_store_bytes"], rep["spill_load_bytes"] = (
+                (int(m.group(1)), int(m.group(2))) if m else (None, None))
+        out.append(rep)
+    return out
+
+
+def compile_kernels(rep, arch: str) -> list[dict]:
+    from jaxllm.runner.model_runner import abstract_step_inputs, table_width
+    from pallas_kernels.ragged_paged_attention import q_tile, ragged_paged_attention
+
+    T, S, bs, max_len, blocks, layers = 512, 64, 16, 4096, 2048, 2
+    rows = []
+    for name, dtype, H, KVH, D, window, cap in KERNEL_SHAPES:
+        dt = jnp.dtype(dtype)
+        sds = lambda shape, d: jax.ShapeDtypeStruct(shape, d, sharding=rep)  # noqa: E731
+        md = abstract_step_inputs(T, S, bs, table_width(max_len, bs), q_tile(H // KVH))[1]
+        md = jax.tree.map(lambda x: sds(x.shape, x.dtype), md)
+        fn = jax.jit(lambda q, c, md, D=D, window=window, cap=cap: ragged_paged_attention(
+            q, c, 1, md, D ** -0.5, window, cap))
+        _fresh_dump()
+        row = dict(shape=name, dtype=dtype, heads=H, kv_heads=KVH, head_dim=D)
+        t0 = time.perf_counter()
+        try:
+            fn.lower(sds((T, H, D), dt), sds((layers, 2, KVH, blocks * bs, D), dt), md).compile()
+            row["compile_s"] = round(time.perf_counter() - t0, 2)
+            row["kernels"] = _kernel_reports(arch)
+        except Exception as e:  # a kernel that does not build is the finding
+            row["error"] = str(e).splitlines()[0][:400]
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
+def compile_steps(mesh, device_memory: int, args) -> dict:
+    from jaxllm.engine.llm_engine import kv_budget_bytes
+    from jaxllm.loader.loader import abstract_model
+    from jaxllm.models.arch import ArchConfig
+    from jaxllm.models.llama import KV_CACHE_AXES
+    from jaxllm.parallel import sharding
+    from jaxllm.runner.model_runner import (abstract_step_inputs, build_step, kv_bytes_per_block,
+                                            kv_cache_shape, table_width)
+    from jaxllm.runner.sampler import init_state
+    import json
+
+    with open(os.path.join(args.model, "config.json")) as f:
+        arch = ArchConfig.from_hf(json.load(f))
+    dtype = jnp.dtype(args.dtype)
+    graphdef, abstract_state, shardings = abstract_model(arch, dtype, args.attention_backend, mesh)
+    state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                         abstract_state, shardings)
+    weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+    kv_sh, rep = sharding(mesh, *KV_CACHE_AXES), sharding(mesh)
+    bs = args.block_size
+    width = table_width(args.max_model_len, bs)
+    qt_of = lambda T: (__import__("jaxllm.layers.attention", fromlist=["q_tile_size"])  # noqa: E731
+                       .q_tile_size(T, args.attention_backend, arch.num_heads // arch.num_kv_heads))
+    step = build_step(graphdef, arch.vocab_size, shardings, kv_sh, rep)
+    steps = [tuple(int(v) for v in s.split("x")) for s in args.steps.split(",")]
+    max_seqs = max(S for _, S in steps)
+    sampler = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep),
+                           jax.eval_shape(lambda: init_state(max_seqs, arch.vocab_size)))
+
+    def compile_one(T, S, num_blocks):
+        kv = jax.ShapeDtypeStruct(kv_cache_shape(arch, num_blocks, bs), dtype, sharding=kv_sh)
+        ins = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep),
+                           abstract_step_inputs(T, S, bs, width, qt_of(T)))
+        t0 = time.perf_counter()
+        exe = step.lower(state, kv, sampler, *ins).compile()
+        return exe, time.perf_counter() - t0
+
+    # as the engine sizes the cache: a 2-block probe of the largest step measures its scratch
+    T_max, S_max = max(steps)
+    probe, _ = compile_one(T_max, S_max, 2)
+    scratch = int(probe.memory_analysis().temp_size_in_bytes)
+    per_block = kv_bytes_per_block(arch, bs, dtype)
+    # the engine gives JAX's allocator gpu_memory_utilization of the device, then sizes the cache
+    util = args.gpu_memory_utilization
+    budget = kv_budget_bytes(int(util * device_memory), weight_bytes, scratch, util, util)
+    num_blocks = max(2, budget // per_block)
+    rows = []
+    for T, S in steps:
+        _fresh_dump()
+        exe, secs = compile_one(T, S, num_blocks)
+        ma = exe.memory_analysis()
+        kernels = _kernel_reports(args.arch)
+        rows.append(dict(tokens=T, seqs=S, compile_s=round(secs, 1),
+                         temp_gib=round(ma.temp_size_in_bytes / 2**30, 3),
+                         argument_gib=round(ma.argument_size_in_bytes / 2**30, 3),
+                         output_gib=round(ma.output_size_in_bytes / 2**30, 3),
+                         alias_gib=round(ma.alias_size_in_bytes / 2**30, 3),
+                         pallas_kernels=sorted({k["kernel"] for k in kernels})))
+        print(rows[-1], flush=True)
+    return dict(model=args.model, dtype=args.dtype, attention_backend=args.attention_backend,
+                weight_gib=round(weight_bytes / 2**30, 3), step_scratch_gib=round(scratch / 2**30, 3),
+                kv_blocks=num_blocks, kv_tokens=(num_blocks - 1) * bs,
+                kv_gib=round(num_blocks * per_block / 2**30, 3),
+                gpu_memory_utilization=args.gpu_memory_utilization, steps=rows)
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default="benchmarks/configs/h100-target.txtpb",
+                   help="XLA GPU target description (device limits, compute capability)")
+    p.add_argument("--arch", default="sm_90a", help="ptxas architecture for the register report")
+    p.add_argument("--model", default="benchmarks/configs/llama-3-8b")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--attention-backend", default="pallas", choices=["pallas", "xla"])
+    p.add_argument("--steps", default="8192x256,256x256,32x32,1x1",
+                   help="TOKENSxSEQS step shapes to compile ('' to skip the engine step)")
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--skip-kernels", action="store_true")
+    p.add_argument("--results-dir", default=os.environ.get("OUT") or "benchmarks/results")
+    p.add_argument("--tag", default=None)
+
+
+def run(args) -> None:
+    if jax._src.xla_bridge.backends_are_initialized():
+        raise RuntimeError("jaxllm bench aot must set XLA_FLAGS before JAX starts a backend")
+    # the CUDA plugin's version checks look for a driver; the dump holds the PTX
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={DUMP}".strip()
+    from jax.experimental import topologies
+    from jaxllm.parallel import make_mesh, sharding
+
+    with open(args.target) as f:
+        target = f.read()
+    try:
+        topo = topologies.get_topology_desc(platform="cuda", target_config=target,
+                                            topology="1x1x1")
+    except Exception as e:
+        raise SystemExit(f"no CUDA compiler here ({e}); install JAX's CUDA plugin: "
+                         'pip install "jax[cuda13]"') from e
+    mesh = make_mesh(1, devices=topo.devices)
+    device = topo.devices[0].device_kind
+    memory = int(re.search(r"device_memory_size:\s*(\d+)", target).group(1))
+    print(f"deviceless target: {device} ({memory / 2**30:.1f} GiB), jax {jax.__version__}",
+          flush=True)
+    result = dict(device=device, deviceless=True, jax=jax.__version__, target=args.target)
+    if not args.skip_kernels:
+        result["kernels"] = compile_kernels(sharding(mesh), args.arch)
+    if args.steps:
+        result["engine_step"] = compile_steps(mesh, memory, args)
+    args.tag = args.tag or "_".join(["aot", datetime.date.today().isoformat(),
+                                     device.replace(" ", "-"), "deviceless"])
+    write_result(args, result, "aot")
+    shutil.rmtree(DUMP, ignore_errors=True)

@@ -1,0 +1,46 @@
+"""Sizing the KV cache from gpu_memory_utilization as a share of the whole device."""
+import os
+
+import pytest
+from jax._src import xla_bridge
+
+from jaxllm.engine.llm_engine import (ALLOCATOR_SLACK, MEM_FRACTION_VARS, allocator_fraction,
+                                      claim_device_memory, kv_budget_bytes)
+
+GiB = 2**30
+
+
+@pytest.mark.parametrize("util,fraction,usable", [
+    (0.9, 0.9, 72),    # the engine gave the allocator its share: all of the pool
+    (0.9, 0.75, 60),   # JAX's default pool is smaller than the share: the pool bounds it
+    (0.5, 0.75, 40),   # a smaller share than the pool
+])
+def test_kv_budget_is_a_share_of_the_device(util, fraction, usable):
+    device = 80 * GiB
+    got = kv_budget_bytes(int(fraction * device), 15 * GiB, 1 * GiB, util, fraction)
+    want = int(usable * GiB * (1 - ALLOCATOR_SLACK)) - 16 * GiB
+    assert abs(got - want) < 1024
+
+
+@pytest.fixture
+def no_fraction_env(monkeypatch):
+    for var in MEM_FRACTION_VARS:
+        monkeypatch.delenv(var, raising=False)
+    return monkeypatch
+
+
+def test_claim_sets_the_allocator_share_before_jax_starts(no_fraction_env):
+    no_fraction_env.setattr(xla_bridge, "backends_are_initialized", lambda: False)
+    assert claim_device_memory(0.85)
+    assert os.environ[MEM_FRACTION_VARS[0]] == "0.8500"
+    assert allocator_fraction() == pytest.approx(0.85)
+
+
+def test_claim_leaves_a_running_backend_and_user_choice_alone(no_fraction_env):
+    no_fraction_env.setattr(xla_bridge, "backends_are_initialized", lambda: True)
+    assert not claim_device_memory(0.9)
+    assert allocator_fraction() == 0.75  # JAX's own default
+    no_fraction_env.setattr(xla_bridge, "backends_are_initialized", lambda: False)
+    no_fraction_env.setenv(MEM_FRACTION_VARS[1], "0.5")
+    assert not claim_device_memory(0.9)
+    assert MEM_FRACTION_VARS[0] not in os.environ and allocator_fraction() == 0.5
