@@ -81,6 +81,27 @@ def _kernel_reports(arch: str) -> list[dict]:
     return out
 
 
+_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4, "pred": 1, "s8": 1, "u8": 1}
+
+
+def _hlo_report() -> dict:
+    """From the optimized HLO of the step: instructions the compiler rematerialized (each a
+    recomputation, matmuls included) and dynamic slices copied out to buffers of 16 MiB or
+    more (weights sliced out of their layer stack are what this looks for)."""
+    remat, copies = 0, 0
+    for path in glob.glob(os.path.join(DUMP, "*jit_step*after_optimizations.txt")):
+        for line in open(path):
+            if re.match(r"\s*(ROOT )?%\S+\.remat\d* = ", line):
+                remat += 1
+            m = re.match(r"%fused_dynamic_slice\S* \(.*\) -> (\w+)\[([\d,]*)\]", line)
+            if m:
+                size = _BYTES.get(m.group(1), 4)
+                for d in filter(None, m.group(2).split(",")):
+                    size *= int(d)
+                copies += size >= 16 * 2**20
+    return dict(rematerialized_instructions=remat, large_dynamic_slice_copies=copies)
+
+
 def compile_kernels(rep, arch: str) -> list[dict]:
     from jaxllm.runner.model_runner import abstract_step_inputs, table_width
     from pallas_kernels.ragged_paged_attention import q_tile, ragged_paged_attention
@@ -115,7 +136,7 @@ def compile_steps(mesh, device_memory: int, args) -> dict:
     from jaxllm.models.llama import KV_CACHE_AXES
     from jaxllm.parallel import sharding
     from jaxllm.runner.model_runner import (abstract_step_inputs, build_step, kv_bytes_per_block,
-                                            kv_cache_shape, table_width)
+                                            kv_cache_shape, step_compiler_options, table_width)
     from jaxllm.runner.sampler import init_state
     import json
 
@@ -142,7 +163,7 @@ def compile_steps(mesh, device_memory: int, args) -> dict:
         ins = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep),
                            abstract_step_inputs(T, S, bs, width, qt_of(T)))
         t0 = time.perf_counter()
-        exe = step.lower(state, kv, sampler, *ins).compile()
+        exe = step.lower(state, kv, sampler, *ins).compile(step_compiler_options("gpu"))
         return exe, time.perf_counter() - t0
 
     # as the engine sizes the cache: a 2-block probe of the largest step measures its scratch
@@ -160,7 +181,7 @@ def compile_steps(mesh, device_memory: int, args) -> dict:
         exe, secs = compile_one(T, S, num_blocks)
         ma = exe.memory_analysis()
         kernels = _kernel_reports(args.arch)
-        rows.append(dict(tokens=T, seqs=S, compile_s=round(secs, 1),
+        rows.append(dict(tokens=T, seqs=S, compile_s=round(secs, 1), **_hlo_report(),
                          temp_gib=round(ma.temp_size_in_bytes / 2**30, 3),
                          argument_gib=round(ma.argument_size_in_bytes / 2**30, 3),
                          output_gib=round(ma.output_size_in_bytes / 2**30, 3),

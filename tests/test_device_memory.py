@@ -11,7 +11,8 @@ GiB = 2**30
 
 
 @pytest.mark.parametrize("util,fraction,usable", [
-    (0.9, 0.9, 72),    # the engine gave the allocator its share: all of the pool
+    (0.9, 0.9, 64),    # the engine gave the allocator its share; XLA plans for 80% of it
+    (0.78, 0.78, 62.4),  # below XLA's share: all of the pool
     (0.9, 0.75, 60),   # JAX's default pool is smaller than the share: the pool bounds it
     (0.5, 0.75, 40),   # a smaller share than the pool
 ])

@@ -18,8 +18,9 @@ def prefill_metadata(num_tokens: int, block_size: int = 4):
                               num_tokens, 1, block_size)
 
 
-def all_logits(loaded, token_ids: list[int]) -> np.ndarray:
-    """Our logits at every position of one prompt, computed in a single step."""
+def all_logits(loaded, token_ids: list[int], scan_layers: bool = True) -> np.ndarray:
+    """Our logits at every position of one prompt, computed in a single step, the layers
+    under a scan (as on a CPU) or unrolled (as on a GPU)."""
     from flax import nnx
     from jaxllm.runner.model_runner import kv_cache_shape
 
@@ -28,6 +29,7 @@ def all_logits(loaded, token_ids: list[int]) -> np.ndarray:
     kv = jnp.zeros(kv_cache_shape(loaded.arch, md.block_tables.shape[1] + 1, md.block_size),
                    jnp.float32)
     model = nnx.merge(loaded.graphdef, loaded.state)
+    model.scan_layers = scan_layers
     md = jax.tree.map(jnp.asarray, md)
     hidden, _ = model(kv, jnp.asarray(token_ids, jnp.int32), md)
     logits = model.compute_logits(hidden)
@@ -51,6 +53,8 @@ def test_logits_match_hf(tmp_path, variant):
     assert ours.shape == ref.shape
     rel = np.abs(ours - ref).max() / np.abs(ref).max()
     assert rel < 1e-4, f"{variant}: max relative error {rel:.2e}"
+    unrolled = all_logits(loaded, ids, scan_layers=False)
+    np.testing.assert_allclose(unrolled, ours, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
 
 def test_unsupported_architecture(tmp_path):

@@ -40,6 +40,9 @@ def setup_compilation_cache(cache_dir: str | None) -> None:
 MEM_FRACTION_VARS = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")
 JAX_MEM_FRACTION = 0.75  # JAX's GPU allocator takes this share of the device when not told
 ALLOCATOR_SLACK = 0.03   # of the usable memory, left free for fragmentation and autotuning
+# XLA's GPU compiler plans for this share of the device; a step whose arguments (weights and
+# KV cache) exceed it is compiled to recompute everything it can to save memory
+XLA_GPU_PLAN_SHARE = 0.8
 
 
 def claim_device_memory(utilization: float) -> bool:
@@ -63,9 +66,10 @@ def allocator_fraction() -> float:
 def kv_budget_bytes(limit: int, in_use: int, scratch: int, utilization: float,
                     fraction: float) -> int:
     """Bytes left for the KV cache: `utilization` of the whole device (limit / fraction), as
-    far as the allocator's pool (`limit`) reaches, less a little slack, what is already in use
-    (the weights) and the largest step's scratch."""
-    usable = min(utilization * limit / fraction, limit)
+    far as the allocator's pool (`limit`) and XLA's plan reach, less a little slack, what is
+    already in use (the weights) and the largest step's scratch."""
+    total = limit / fraction
+    usable = min(utilization * total, limit, XLA_GPU_PLAN_SHARE * total)
     return int(usable * (1 - ALLOCATOR_SLACK)) - in_use - scratch
 
 

@@ -1,7 +1,11 @@
 """The Llama family (Llama 2/3/3.1, Mistral, Qwen2, Qwen3, SmolLM2) as one Flax NNX model.
 
-Per-layer weights are stacked on a leading layer axis and the layers run under
-`jax.lax.scan`, so compile time does not grow with depth. Weights are stored `[in, out]`.
+Per-layer weights are stacked on a leading layer axis. Off a GPU the layers run under
+`jax.lax.scan`, so compile time does not grow with depth. On a GPU they are unrolled: in
+XLA's GPU while loop each layer's weights are first copied out of the stack by a
+dynamic-slice (a decode step would move every weight three times through HBM instead of
+once), while a static slice folds into the matmul that reads it. Weights are stored
+`[in, out]`.
 """
 from __future__ import annotations
 
@@ -85,10 +89,14 @@ class LlamaLayers(nnx.Module):
 
 class LlamaForCausalLM(nnx.Module):
     def __init__(self, cfg: ArchConfig, dtype=jnp.float32, *, rngs: nnx.Rngs,
-                 attention_backend: str = "xla", mesh=None):
+                 attention_backend: str = "xla", mesh=None, scan_layers: bool | None = None):
         self.cfg = cfg
         self.attention_backend = attention_backend
         self.mesh = mesh  # tensor parallelism: attention runs under shard_map over it
+        if scan_layers is None:
+            platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+            scan_layers = platform != "gpu"
+        self.scan_layers = scan_layers
         shapes = param_shapes(cfg)
         layer_shapes = {k.split(".", 1)[1]: v for k, v in shapes.items() if k.startswith("layers.")}
         self.embed_tokens = nnx.Param(_init("embed_tokens", shapes["embed_tokens"], dtype, rngs.params()))
@@ -133,5 +141,11 @@ class LlamaForCausalLM(nnx.Module):
             x = x + (jax.nn.silu(h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"]
             return (x, kv, i + 1), None
 
-        (x, kv_cache, _), _ = jax.lax.scan(layer, (x, kv_cache, jnp.int32(0)), self.layers.weights())
+        weights = self.layers.weights()
+        if self.scan_layers:
+            (x, kv_cache, _), _ = jax.lax.scan(layer, (x, kv_cache, jnp.int32(0)), weights)
+        else:
+            for i in range(cfg.num_layers):
+                (x, kv_cache, _), _ = layer((x, kv_cache, jnp.int32(i)),
+                                            {k: w[i] for k, w in weights.items()})
         return rms_norm(x, self.norm[...], eps), kv_cache
