@@ -71,7 +71,7 @@ if want tests; then
   fi
 fi
 want kernels && step "kernel benchmark" python3 -m jaxllm.cli bench kernels --grid "$KGRID" \
-  --results-dir "$RESULTS" --tag "kernels_${TAG}"
+  --sweep --results-dir "$RESULTS" --tag "kernels_${TAG}"
 want latency && step "latency" python3 -m jaxllm.cli bench latency "${ENGINE[@]}" \
   --input-len "$IN_LEN" --output-len "$OUT_LEN" --batch-size "$BATCH" --num-iters 3 \
   --results-dir "$RESULTS" --tag "latency_${TAG}"

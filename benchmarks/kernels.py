@@ -34,6 +34,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--sweep", action="store_true",
+                   help="also time our kernels' tile variants (keys per step, warps, splits) "
+                        "on the largest decode and prefill shapes of the grid")
     p.add_argument("--results-dir", default=os.environ.get("OUT") or "benchmarks/results")
     p.add_argument("--tag", default=None)
 
@@ -80,6 +83,55 @@ def _jax_paged_attention(q, cache, md, args, interpret: bool):
         q, k, v, t, lens, block_h=16, pages_per_compute_block=ppcb, k_splits=k_splits,
         interpret=interpret))
     return fn, (q, k, v, tables, md.seq_lens)
+
+
+# (keys per loop step, warps, decode splits): the defaults choose keys by dtype and head_dim
+DECODE_VARIANTS = [(64, 4, None), (128, 4, None), (128, 8, None), (256, 8, None),
+                   (128, 4, 2), (128, 4, 16)]
+PREFILL_VARIANTS = [(64, 4), (64, 8), (128, 4), (128, 8)]
+
+
+def _sweep(args, dtype, on_gpu, interpret, bw, flops_peak) -> dict:
+    """Our kernels with each tile variant on the grid's largest decode and prefill shapes."""
+    from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+
+    grid = GRIDS[args.grid or ("full" if on_gpu else "small")]
+    scale, layer, item = args.head_dim ** -0.5, jnp.int32(0), dtype.itemsize
+    out = {"decode": [], "prefill": []}
+    batch, ctx = grid["decode"][-1]
+    q, cache, md, _ = _case(batch, ctx - 1, 1, args, dtype, on_gpu)
+    kv_bytes = batch * ctx * args.kv_heads * args.head_dim * 2 * item
+    for keys, warps, splits in DECODE_VARIANTS:
+        fn = jax.jit(lambda q, c, md, keys=keys, warps=warps, splits=splits: ragged_paged_attention(
+            q, c, layer, md, scale, interpret=interpret, k_splits=splits,
+            tuning={"decode": {"keys": keys, "num_warps": warps}}))
+        row = {"batch": batch, "context": ctx, "keys": keys, "num_warps": warps, "k_splits": splits}
+        try:
+            secs = bench(fn, q, cache, md, iters=args.iters)
+            row.update(ms=secs * 1e3, gb_s=kv_bytes / secs / 1e9, frac_of_copy_bw=kv_bytes / secs / bw)
+        except Exception as e:  # a variant that does not build (shared memory) is a result too
+            row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        out["decode"].append(row)
+        print(f"  decode variant keys {keys:>3} warps {warps} splits {splits}: "
+              + (f"{row['gb_s']:8.1f} GB/s" if "gb_s" in row else row["error"]))
+    chunk = grid["prefill"][-1]
+    q, cache, md, _ = _case(1, 0, chunk, args, dtype, on_gpu)
+    flops = 4 * args.heads * args.head_dim * chunk * (chunk + 1) / 2
+    for keys, warps in PREFILL_VARIANTS:
+        fn = jax.jit(lambda q, c, md, keys=keys, warps=warps: ragged_paged_attention(
+            q, c, layer, md, scale, interpret=interpret,
+            tuning={"prefill": {"keys": keys, "num_warps": warps}}))
+        row = {"chunk": chunk, "keys": keys, "num_warps": warps}
+        try:
+            secs = bench(fn, q, cache, md, iters=args.iters)
+            row.update(ms=secs * 1e3, tflop_s=flops / secs / 1e12,
+                       frac_of_matmul=flops / secs / flops_peak)
+        except Exception as e:
+            row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        out["prefill"].append(row)
+        print(f"  prefill variant keys {keys:>3} warps {warps}: "
+              + (f"{row['tflop_s']:7.2f} TFLOP/s" if "tflop_s" in row else row["error"]))
+    return out
 
 
 def run(args) -> int:
@@ -132,9 +184,12 @@ def run(args) -> int:
         print(f"prefill chunk {chunk:>5}: ours {row['jaxllm_pallas']['tflop_s']:7.2f} TFLOP/s "
               f"({100 * row['jaxllm_pallas']['frac_of_matmul']:5.1f}% of matmul)  "
               f"xla {row['xla']['tflop_s']:7.2f} TFLOP/s")
+    sweep = _sweep(args, dtype, on_gpu, interpret, bw, flops_peak) if args.sweep else None
     result = {"peaks": {"copy_gb_s": bw / 1e9, "bf16_matmul_tflop_s": flops_peak / 1e12},
               "interpret": interpret, "shape": {"heads": args.heads, "kv_heads": args.kv_heads,
                                                 "head_dim": args.head_dim, "block_size": args.block_size,
                                                 "dtype": args.dtype}, **rows}
+    if sweep is not None:
+        result["sweep"] = sweep
     write_result(args, result, "kernels")
     return 0

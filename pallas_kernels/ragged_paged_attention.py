@@ -16,6 +16,24 @@ pages, fori_loop, cond), so the kernels run in interpret mode on a CPU and lower
 Pallas' Triton path on NVIDIA GPUs. The cache is read as one flat page array
 `[layers * 2 * kv_heads * blocks, block_size, head_dim]` (a free reshape of the engine's
 `[layers, 2, kv_heads, slots, head_dim]`), so the layer index can be a run-time value.
+
+`jaxllm bench aot` compiles both kernels for an H100 without one and reports ptxas' register
+and spill counts: the decode kernel lowers to mma.sync tiles with cp.async loads, the prefill
+tiles to Hopper's wgmma; the per-dtype key chunk and warp counts below keep them spill-free
+and inside the SM's shared memory.
+
+What a Mosaic GPU (Hopper) variant would need, since JAX deprecates this Triton path:
+* pages brought in by TMA (`plgpu.copy_gmem_to_smem` + barriers) one page per copy, driven by
+  the block table read from SMEM, in place of the vector gather `pages_ref[base + ids]`
+  (TMA wants rectangular boxes: a page of `block_size x head_dim`, 128-byte rows);
+* warpgroup matmuls (`plgpu.wgmma`) on swizzled SMEM tiles with an M of 64 per warpgroup: a
+  decode program would pack several sequences' GQA groups (or pad the group) to 64 rows;
+* warp specialisation, one producer warpgroup issuing TMA and consumer warpgroups doing
+  QK^T / softmax / PV in a ping-pong (FlashAttention-3's schedule), with the online softmax
+  done in the WGMMA accumulator layout;
+* explicit pipelining over the page loop (`plgpu.emit_pipeline` or a hand-rolled ring of
+  SMEM buffers) because the trip count is ragged per sequence.
+The metadata, the reference, the tests and the engine wiring would stay as they are.
 """
 from __future__ import annotations
 
@@ -252,12 +270,15 @@ def paged_prefill_tiles(q, pages, layer, tables, meta, *, kv_heads, blocks, bloc
 
 
 def ragged_paged_attention(q, kv_cache, layer, md, scale, sliding_window=None, soft_cap=None,
-                           *, interpret=False, k_splits=None, poison=False):
+                           *, interpret=False, k_splits=None, poison=False, tuning=None):
     """Drop-in for the XLA path: q [T, H, D] with the step's K/V already in kv_cache.
 
     md: the step's AttentionMetadata; its tiles must have been cut with q_tile(G) tokens.
     poison (tests): tokens that no kernel writes come out NaN instead of zero.
+    tuning (benchmarks): {"decode": {keys, num_warps}, "prefill": {keys, num_warps}} in place
+    of the defaults.
     """
+    tuning = tuning or {}
     T, H, D = q.shape
     L, _, KVH, slots, _ = kv_cache.shape
     G = H // KVH
@@ -278,7 +299,7 @@ def ragged_paged_attention(q, kv_cache, layer, md, scale, sliding_window=None, s
           else jnp.maximum(q_pos - sliding_window + 1, 0))
     dec = paged_decode(qg[last], pages, layer, md.block_tables, md.seq_lens, lo, kv_heads=KVH,
                        blocks=blocks, block_size=bs, scale=scale, soft_cap=soft_cap,
-                       k_splits=k_splits, interpret=interpret)
+                       k_splits=k_splits, interpret=interpret, **tuning.get("decode", {}))
     dst = jnp.where(md.seq_lens > 0, last, T)  # padded rows write nowhere
     out = jnp.full((T, KVH, G, D), jnp.nan if poison else 0.0, jnp.float32)
     out = out.at[dst].set(dec, mode="drop")
@@ -300,7 +321,7 @@ def ragged_paged_attention(q, kv_cache, layer, md, scale, sliding_window=None, s
         tiles = paged_prefill_tiles(qk, pages, layer, md.block_tables[md.tile_seq], meta,
                                     kv_heads=KVH, blocks=blocks, block_size=bs, qt=qt,
                                     scale=scale, window=sliding_window, soft_cap=soft_cap,
-                                    interpret=interpret)
+                                    interpret=interpret, **tuning.get("prefill", {}))
         # each token of a tile goes back to its place in the flat layout
         tok = start[:, None] + jnp.arange(qt)[None, :]                    # [W, qt]
         ok = jnp.arange(qt)[None, :] < nrows[:, None]

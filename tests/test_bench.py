@@ -159,7 +159,8 @@ def test_serve_poisson_and_prefix_chat(bench_server, tmp_path):
 
 def test_kernels_small_grid(tmp_path):
     run_cli("bench", "kernels", "--grid", "small", "--iters", "1", "--heads", "8", "--kv-heads", "2",
-            "--head-dim", "64", "--dtype", "float32", "--results-dir", str(tmp_path), "--tag", "k")
+            "--head-dim", "64", "--dtype", "float32", "--results-dir", str(tmp_path), "--tag", "k",
+            "--sweep")
     r = read_json(tmp_path / "k.json")
     assert r["interpret"] is True and r["peaks"]["copy_gb_s"] > 0
     assert len(r["decode"]) == 2 and len(r["prefill"]) == 2
@@ -168,3 +169,8 @@ def test_kernels_small_grid(tmp_path):
         assert "gb_s" in row["jax_paged_attention"] or "error" in row["jax_paged_attention"]
     for row in r["prefill"]:
         assert row["jaxllm_pallas"]["tflop_s"] > 0 and 0 < row["jaxllm_pallas"]["frac_of_matmul"]
+    from benchmarks.kernels import DECODE_VARIANTS, PREFILL_VARIANTS
+    sweep = r["sweep"]
+    assert [(v["keys"], v["num_warps"], v["k_splits"]) for v in sweep["decode"]] == DECODE_VARIANTS
+    assert [(v["keys"], v["num_warps"]) for v in sweep["prefill"]] == PREFILL_VARIANTS
+    assert all(v["gb_s"] > 0 for v in sweep["decode"]) and all(v["tflop_s"] > 0 for v in sweep["prefill"])
