@@ -25,7 +25,9 @@ def ragged_paged_attention_ref(q, kv_cache, layer, positions, token_seq_ids, blo
     k = kv_cache[layer, 0][:, slots].astype(jnp.float32)  # [KVH, T, width, D]
     v = kv_cache[layer, 1][:, slots].astype(jnp.float32)
     qg = q.astype(jnp.float32).reshape(T, KVH, G, D) * scale
-    s = jnp.einsum("tkgd,ktcd->tkgc", qg, k)
+    # exact f32 on every backend (a GPU would otherwise use TF32 for f32 matmuls)
+    hi = jax.lax.Precision.HIGHEST
+    s = jnp.einsum("tkgd,ktcd->tkgc", qg, k, precision=hi)
     if soft_cap is not None:
         s = soft_cap * jnp.tanh(s / soft_cap)
     mask = ctx[None, :] <= positions[:, None]
@@ -33,5 +35,5 @@ def ragged_paged_attention_ref(q, kv_cache, layer, positions, token_seq_ids, blo
         mask &= ctx[None, :] > positions[:, None] - sliding_window
     s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
     p = jax.nn.softmax(s, axis=-1)
-    out = jnp.einsum("tkgc,ktcd->tkgd", p, v)
+    out = jnp.einsum("tkgc,ktcd->tkgd", p, v, precision=hi)
     return out.reshape(T, H, D).astype(q.dtype)

@@ -174,3 +174,14 @@ def test_kernels_small_grid(tmp_path):
     assert [(v["keys"], v["num_warps"], v["k_splits"]) for v in sweep["decode"]] == DECODE_VARIANTS
     assert [(v["keys"], v["num_warps"]) for v in sweep["prefill"]] == PREFILL_VARIANTS
     assert all(v["gb_s"] > 0 for v in sweep["decode"]) and all(v["tflop_s"] > 0 for v in sweep["prefill"])
+
+
+def test_aot_without_cuda_compiler_says_what_to_install():
+    """`bench aot` needs JAX's CUDA plugin (never installed by the project's own setup)."""
+    import importlib.util
+    if importlib.util.find_spec("jax_plugins") is not None:
+        pytest.skip("JAX plugins are installed here: bench aot may find a CUDA compiler")
+    res = subprocess.run([sys.executable, "-m", "jaxllm.cli", "bench", "aot"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0
+    assert 'pip install "jax[cuda13]"' in res.stderr
