@@ -87,7 +87,7 @@ def _jax_paged_attention(q, cache, md, args, interpret: bool):
 
 # (keys per loop step, warps, decode splits): the defaults choose keys by dtype and head_dim
 DECODE_VARIANTS = [(64, 4, None), (128, 4, None), (128, 8, None), (256, 8, None),
-                   (128, 4, 2), (128, 4, 16)]
+                   (128, 4, 1), (128, 4, 4), (128, 4, 16)]
 PREFILL_VARIANTS = [(64, 4), (64, 8), (128, 4), (128, 8)]
 
 

@@ -72,6 +72,12 @@ def q_tile(kv_group: int) -> int:
     return max(1, 128 // next_pow2(kv_group))
 
 
+def decode_splits(num_seqs: int, kv_heads: int, programs: int = 1024) -> int:
+    """Split-K only pays while (sequence, KV head) programs leave the GPU's SMs idle: split
+    until about `programs` are in flight (a few waves on an H100's 132 SMs), at most 16."""
+    return min(16, next_pow2(max(1, -(-programs // (num_seqs * kv_heads)))))
+
+
 def _triton(num_warps: int):
     # Pallas picks Mosaic GPU for a bare pallas_call on NVIDIA; these kernels are written for
     # the Triton lowering (vector page gathers, any grid), so ask for it by name
@@ -290,7 +296,7 @@ def ragged_paged_attention(q, kv_cache, layer, md, scale, sliding_window=None, s
     qg = q.astype(dtype).reshape(T, KVH, G, D)
     S = md.seq_lens.shape[0]
     if k_splits is None:
-        k_splits = 1 if interpret else (16 if S <= 8 else 8 if S <= 64 else 4)
+        k_splits = 1 if interpret else decode_splits(S, KVH)
 
     # decode: the last token of every sequence
     last = jnp.maximum(md.query_start_loc[1:] - 1, 0)

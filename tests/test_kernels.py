@@ -136,3 +136,14 @@ def test_kernels_lower_for_cuda_through_triton(dtype, head_dim, heads, kv_heads,
     for name in ("jaxllm_paged_decode", "jaxllm_paged_prefill"):
         assert f'name = "{name}"' in text
     assert text.count(f"@{triton}") == 2 and "mosaic_gpu" not in text
+
+
+def test_decode_splits_fill_the_gpu_and_stop():
+    """Split-K until about 1024 programs are in flight, in powers of two, never past 16."""
+    from pallas_kernels.ragged_paged_attention import decode_splits
+    for seqs in (1, 2, 8, 16, 64, 128, 256, 1024):
+        for kv_heads in (1, 3, 8):
+            k = decode_splits(seqs, kv_heads)
+            assert 1 <= k <= 16 and k & (k - 1) == 0
+            assert seqs * kv_heads * k >= 1024 or k == 16
+            assert k == 1 or seqs * kv_heads * (k // 2) < 1024  # no more splits than needed
