@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import atexit
+import copy
 import itertools
 from typing import Sequence
 
@@ -13,11 +14,22 @@ from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.engine.outputs import RequestOutput
 from jaxllm.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from jaxllm.runner.sampler import MAX_LOGPROBS
-from jaxllm.sampling_params import SamplingParams
+from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 def _is_token_list(x) -> bool:
     return isinstance(x, (list, tuple)) and len(x) > 0 and all(isinstance(t, int) for t in x)
+
+
+def _final_only(params: list[SamplingParams]) -> list[SamplingParams]:
+    """Copies that ask the engine for each request's output once, at the end (only the final
+    outputs are returned here); the caller's objects stay as they were."""
+    copies: dict[int, SamplingParams] = {}
+    for p in params:
+        if id(p) not in copies:
+            copies[id(p)] = c = copy.copy(p)
+            c.output_kind = RequestOutputKind.FINAL_ONLY
+    return [copies[id(p)] for p in params]
 
 
 class LLM:
@@ -56,6 +68,7 @@ class LLM:
         engine = self.llm_engine
         for prompt, p in zip(prompts, params):  # reject bad input before anything runs
             engine.validate_request(prompt, p)
+        params = _final_only(params)
         ids = [str(next(self._counter)) for _ in prompts]
         for rid, prompt, p in zip(ids, prompts, params):
             engine.add_request(rid, prompt, p)

@@ -1,6 +1,7 @@
 """SamplingParams with vLLM's names, defaults and validation (a ValueError names the field)."""
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
@@ -8,6 +9,12 @@ _GREEDY_EPS = 1e-5
 
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+class RequestOutputKind(enum.Enum):
+    """Which outputs LLMEngine.step returns for a request (vLLM's names)."""
+    CUMULATIVE = 0  # after every step, everything generated so far (streaming)
+    FINAL_ONLY = 2  # once, when the request finishes (offline generate)
 
 
 @dataclass
@@ -36,9 +43,12 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     _stop: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self):
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         if not _is_int(self.n) or self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n!r}")
         if self.best_of is not None:

@@ -242,3 +242,23 @@ def test_chat_uses_template(default_llm):
     want = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert out.prompt == want and "<|im_start|>assistant" in want
     assert len(out.outputs[0].token_ids) >= 1
+
+
+def test_final_only_requests_get_one_output(tiny_llm):
+    """FINAL_ONLY (what LLM.generate asks for) yields one output, at the end, equal to the
+    last of a CUMULATIVE request's per-step outputs."""
+    from jaxllm.sampling_params import RequestOutputKind
+    engine = tiny_llm.llm_engine
+    prompt = [11, 12, 13, 14]
+    engine.add_request("final", prompt, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True,
+                                                       output_kind=RequestOutputKind.FINAL_ONLY))
+    engine.add_request("every", prompt, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+    seen = {"final": [], "every": []}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen[out.request_id].append(out)
+    assert [o.finished for o in seen["final"]] == [True]
+    assert len(seen["every"]) == 5 and seen["every"][-1].finished
+    assert seen["final"][0].outputs[0].token_ids == seen["every"][-1].outputs[0].token_ids
+    with pytest.raises(ValueError, match="output_kind"):
+        SamplingParams(output_kind="final")

@@ -22,7 +22,7 @@ from jaxllm.loader import load_model
 from jaxllm.parallel import make_mesh
 from jaxllm.parallel import multiprocess as mp
 from jaxllm.runner.model_runner import ModelRunner, kv_bytes_per_block
-from jaxllm.sampling_params import SamplingParams
+from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("jaxllm")
 
@@ -381,7 +381,14 @@ class LLMEngine:
             m.first_token_time = m.first_token_time or now
             m.last_token_time = now
             touched[child.parent_id] = None
-        return [self._make_output(pid) for pid in touched]
+        return [self._make_output(pid) for pid in touched if self._wants_output(pid)]
+
+    def _wants_output(self, parent_id: str) -> bool:
+        """FINAL_ONLY requests get their one output when every child has finished (building
+        every request's output each step costs the host more than the step at large batch)."""
+        parent = self._parents[parent_id]
+        return (parent.params.output_kind is not RequestOutputKind.FINAL_ONLY
+                or all(self._children[c].request.status.finished for c in parent.children))
 
     def _account_memory(self) -> None:
         """KV slots held by running requests against slots holding a token, once per step.

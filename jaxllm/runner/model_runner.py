@@ -301,6 +301,10 @@ class ModelRunner:
     # device operations: with several processes, process 0 announces and shares each one so
     # that the others launch the same computation (follow())
     def _put(self, tree):
+        if jax.process_count() == 1:  # one batched transfer for all the inputs
+            leaves, treedef = jax.tree.flatten(tree)
+            return jax.tree.unflatten(treedef, jax.device_put([np.asarray(x) for x in leaves],
+                                                              self.replicated))
         return jax.tree.map(
             lambda x: jax.make_array_from_process_local_data(self.replicated, np.asarray(x)), tree)
 
