@@ -67,6 +67,8 @@ def test_latency(tiny_llama, tmp_path):
     for key in ("batch_1", "batch_4"):
         assert r[key]["decode_step_s"]["n"] > 0 and r[key]["ttft_s"]["mean"] > 0
         assert r[key]["e2e_s"]["n"] == 2
+        host, step = r[key]["decode_host_s"], r[key]["decode_step_s"]
+        assert host["n"] == step["n"] and 0 < host["median"] < step["median"]
 
 
 def test_dummy_weights_from_a_bare_config(tmp_path):

@@ -197,6 +197,7 @@ class ModelRunner:
         self._pending_rows: list[tuple[int, object]] = []  # rows whose sampler state to rebuild
         self._compiled: dict[tuple[int, int], object] = {}
         self.num_steps = 0
+        self.device_wait_seconds = 0.0  # host time spent waiting for steps' results
         self.num_compiles_after_warmup = 0
         self.channel = mp.Channel() if jax.process_count() > 1 else None
         self._step = build_step(self.graphdef, self.vocab,
@@ -439,7 +440,9 @@ class ModelRunner:
         rows, n, shape, inputs = self._prepare(out, req_ids)
         smd = inputs[-1]
         res = self._run_step(shape, inputs)
-        tokens = _host(res.tokens)
+        t = time.perf_counter()
+        tokens = _host(res.tokens)  # waits for the device
+        self.device_wait_seconds += time.perf_counter() - t
         self.num_steps += 1
         batch, cols = self.batch, self.batch.cols
         want_lp = bool(smd.any_logprobs)
