@@ -134,19 +134,21 @@ def compile_steps(mesh, device_memory: int, args) -> dict:
     from jaxllm.loader.loader import abstract_model
     from jaxllm.models.arch import ArchConfig
     from jaxllm.models.llama import KV_CACHE_AXES
-    from jaxllm.parallel import sharding
+    from jaxllm.parallel import plan, runtime_arch, sharding
     from jaxllm.runner.model_runner import (abstract_step_inputs, build_step, kv_bytes_per_block,
                                             kv_cache_shape, step_compiler_options, table_width)
     from jaxllm.runner.sampler import init_state
     import json
 
     with open(os.path.join(args.model, "config.json")) as f:
-        arch = ArchConfig.from_hf(json.load(f))
+        ckpt_arch = ArchConfig.from_hf(json.load(f))
+    arch = runtime_arch(ckpt_arch, plan(ckpt_arch, mesh.size))
     dtype = jnp.dtype(args.dtype)
     graphdef, abstract_state, shardings = abstract_model(arch, dtype, args.attention_backend, mesh)
     state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                          abstract_state, shardings)
-    weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+    # per device: each holds its shard of every weight
+    weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state)) // mesh.size
     kv_sh, rep = sharding(mesh, *KV_CACHE_AXES), sharding(mesh)
     bs = args.block_size
     width = table_width(args.max_model_len, bs)
@@ -174,7 +176,7 @@ def compile_steps(mesh, device_memory: int, args) -> dict:
     # the engine gives JAX's allocator gpu_memory_utilization of the device, then sizes the cache
     util = args.gpu_memory_utilization
     budget = kv_budget_bytes(int(util * device_memory), weight_bytes, scratch, util, util)
-    num_blocks = max(2, budget // per_block)
+    num_blocks = max(2, budget // (per_block // mesh.size))  # per device, as the engine does
     rows = []
     for T, S in steps:
         _fresh_dump()
@@ -191,7 +193,7 @@ def compile_steps(mesh, device_memory: int, args) -> dict:
     return dict(model=args.model, dtype=args.dtype, attention_backend=args.attention_backend,
                 weight_gib=round(weight_bytes / 2**30, 3), step_scratch_gib=round(scratch / 2**30, 3),
                 kv_blocks=num_blocks, kv_tokens=(num_blocks - 1) * bs,
-                kv_gib=round(num_blocks * per_block / 2**30, 3),
+                kv_gib_per_device=round(num_blocks * per_block / mesh.size / 2**30, 3),
                 gpu_memory_utilization=args.gpu_memory_utilization, steps=rows)
 
 
@@ -207,6 +209,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="compile the step for this many GPUs of the target kind")
     p.add_argument("--skip-kernels", action="store_true")
     p.add_argument("--results-dir", default=os.environ.get("OUT") or "benchmarks/results")
     p.add_argument("--tag", default=None)
@@ -225,21 +229,23 @@ def run(args) -> None:
         target = f.read()
     try:
         topo = topologies.get_topology_desc(platform="cuda", target_config=target,
-                                            topology="1x1x1")
+                                            topology=f"1x1x{args.tensor_parallel_size}")
     except Exception as e:
         raise SystemExit(f"no CUDA compiler here ({e}); install JAX's CUDA plugin: "
                          'pip install "jax[cuda13]"') from e
-    mesh = make_mesh(1, devices=topo.devices)
+    mesh = make_mesh(args.tensor_parallel_size, devices=topo.devices)
     device = topo.devices[0].device_kind
     memory = int(re.search(r"device_memory_size:\s*(\d+)", target).group(1))
     print(f"deviceless target: {device} ({memory / 2**30:.1f} GiB), jax {jax.__version__}",
           flush=True)
-    result = dict(device=device, deviceless=True, jax=jax.__version__, target=args.target)
+    result = dict(device=device, deviceless=True, jax=jax.__version__, target=args.target,
+                  tensor_parallel_size=args.tensor_parallel_size)
     if not args.skip_kernels:
         result["kernels"] = compile_kernels(sharding(mesh), args.arch)
     if args.steps:
         result["engine_step"] = compile_steps(mesh, memory, args)
-    args.tag = args.tag or "_".join(["aot", datetime.date.today().isoformat(),
-                                     device.replace(" ", "-"), "deviceless"])
+    tp = f"tp{args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else ""
+    args.tag = args.tag or "_".join(x for x in ["aot", datetime.date.today().isoformat(),
+                                                device.replace(" ", "-"), tp, "deviceless"] if x)
     write_result(args, result, "aot")
     shutil.rmtree(DUMP, ignore_errors=True)

@@ -45,3 +45,36 @@ def test_claim_leaves_a_running_backend_and_user_choice_alone(no_fraction_env):
     no_fraction_env.setenv(MEM_FRACTION_VARS[1], "0.5")
     assert not claim_device_memory(0.9)
     assert MEM_FRACTION_VARS[0] not in os.environ and allocator_fraction() == 0.5
+
+
+def test_profiled_blocks_count_one_devices_share(monkeypatch):
+    """With tensor parallelism each device holds 1/N of every block (its KV heads), and the
+    memory stats are one device's: N devices fit N times the blocks of one."""
+    import types
+    from jaxllm.engine import llm_engine
+
+    class Device:
+        def memory_stats(self):
+            return {"bytes_limit": int(0.9 * 80 * GiB), "bytes_in_use": 4 * GiB}
+
+    class Probe:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def activation_bytes(self):
+            return 1 * GiB
+
+    monkeypatch.setattr(llm_engine.jax, "devices", lambda: [Device()])
+    monkeypatch.setattr(llm_engine, "ModelRunner", Probe)
+    monkeypatch.setenv(MEM_FRACTION_VARS[0], "0.9")
+    config = types.SimpleNamespace(block_size=16, max_model_len=256, max_num_seqs=8,
+                                   max_num_batched_tokens=64, attention_backend="xla",
+                                   gpu_memory_utilization=0.9)
+    per_block = 2 * 2**20
+    blocks = {}
+    for n in (1, 4):
+        engine = types.SimpleNamespace(config=config, dtype=None,
+                                       mesh=types.SimpleNamespace(size=n))
+        blocks[n] = llm_engine.LLMEngine._profile_blocks(engine, per_block, None)
+    budget = int(64 * GiB * (1 - ALLOCATOR_SLACK)) - 5 * GiB  # XLA's 80% of 80 GiB
+    assert blocks[1] == budget // per_block and blocks[4] == budget // (per_block // 4)

@@ -199,7 +199,8 @@ class LLMEngine:
                                  allocator_fraction())
         logger.info("memory: limit %.2f GiB, in use %.2f GiB, step scratch %.2f GiB",
                     limit / 2**30, in_use / 2**30, scratch / 2**30)
-        return max(0, budget // per_block)
+        # the stats are one device's; each device holds its KV heads' share of every block
+        return max(0, budget // (per_block // self.mesh.size))
 
     def follow(self) -> None:
         """On processes other than 0: run process 0's steps until it shuts down."""
