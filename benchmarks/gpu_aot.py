@@ -45,7 +45,10 @@ KERNEL_SHAPES = [  # (name, dtype, heads, kv_heads, head_dim, sliding window, so
 
 
 def _ptxas() -> str | None:
-    import nvidia
+    try:
+        import nvidia
+    except ImportError:  # a local CUDA install
+        return shutil.which("ptxas")
     for root in nvidia.__path__:
         for cand in glob.glob(os.path.join(root, "*", "bin", "ptxas")):
             return cand
@@ -198,10 +201,11 @@ def compile_steps(mesh, device_memory: int, args) -> dict:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default="benchmarks/configs/h100-target.txtpb",
+    configs = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+    p.add_argument("--target", default=os.path.join(configs, "h100-target.txtpb"),
                    help="XLA GPU target description (device limits, compute capability)")
     p.add_argument("--arch", default="sm_90a", help="ptxas architecture for the register report")
-    p.add_argument("--model", default="benchmarks/configs/llama-3-8b")
+    p.add_argument("--model", default=os.path.join(configs, "llama-3-8b"))
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--attention-backend", default="pallas", choices=["pallas", "xla"])
     p.add_argument("--steps", default="8192x256,256x256,32x32,1x1",

@@ -59,12 +59,15 @@ def keys_per_step(head_dim: int, dtype) -> int:
     shared memory (f32 at head_dim 128 with 128 keys asks for 270 KB of the H100's 227 KB)."""
     size = jnp.dtype(dtype).itemsize
     budget = 16384 if size >= 4 else 32768
-    return max(16, min(128, budget // (head_dim * size)))
+    keys = max(16, min(128, budget // (head_dim * size)))
+    return 1 << (keys.bit_length() - 1)  # a power of two: Triton blocks, table splits
 
 
 def pages_per_step(block_size: int, keys: int = 128) -> int:
-    """Pages gathered per loop iteration: `keys` tokens of K and of V."""
-    return max(1, keys // block_size)
+    """Pages gathered per loop iteration: `keys` tokens of K and of V, a power of two so
+    that it divides the (power-of-two) table width and every split of it."""
+    pps = max(1, keys // block_size)
+    return 1 << (pps.bit_length() - 1)
 
 
 def q_tile(kv_group: int) -> int:

@@ -26,10 +26,10 @@ CASES = {
 
 
 def check(seqs, heads, kv_heads, head_dim=64, dtype=jnp.float32, T=None, S=None, window=None,
-          soft_cap=None, block_size=16, seed=0):
+          soft_cap=None, block_size=16, seed=0, max_model_len=2048):
     G = heads // kv_heads
     q, cache, layer, md = make_case(seqs, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-                                    block_size=block_size, T=T, S=S, max_model_len=2048,
+                                    block_size=block_size, T=T, S=S, max_model_len=max_model_len,
                                     dtype=dtype, seed=seed, qt=q_tile(G))
     md = jax.tree.map(jnp.asarray, md)
     scale = head_dim ** -0.5
@@ -147,3 +147,11 @@ def test_decode_splits_fill_the_gpu_and_stop():
             assert 1 <= k <= 16 and k & (k - 1) == 0
             assert seqs * kv_heads * k >= 1024 or k == 16
             assert k == 1 or seqs * kv_heads * (k // 2) < 1024  # no more splits than needed
+
+
+@pytest.mark.parametrize("head_dim", [80, 96])
+def test_head_dims_whose_key_chunk_is_not_a_power_of_two(head_dim):
+    """f32 at head_dim 80 used to give 3 pages a step, past the end of the (power-of-two)
+    table near max_model_len: keys scored against the wrong pages."""
+    check([(250, 1), (200, 40), (0, 5)], 8, 2, head_dim=head_dim, block_size=16,
+          max_model_len=256)
