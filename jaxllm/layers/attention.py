@@ -222,7 +222,7 @@ BACKENDS = ("xla", "pallas")
 
 def paged_attention(q, kv_cache, layer, md, scale, sliding_window=None, soft_cap=None,
                     backend="xla", platform=None):
-    """platform: where the step runs (default: JAX's default backend); off a GPU the Pallas
+    """platform: where the step runs (jaxllm.parallel.platform_of); off a GPU the Pallas
     kernels run in their interpreter (tests, CPU runs)."""
     if backend == "xla":
         return paged_attention_xla(q, kv_cache, layer, md, scale, sliding_window, soft_cap)
@@ -237,9 +237,9 @@ def attention_block(q, k, v, kv_cache, layer, md, scale, sliding_window=None, ba
                     mesh=None, soft_cap=None):
     """Write the step's K/V into the cache, then attend: (out [T, H, D], new cache). Under
     tensor parallelism both run per device on its heads (shard_map), with specs from the
-    same logical-axis table as the parameters. The mesh's devices say where the step runs
-    (they may be a GPU compile target on a machine without one: jaxllm bench aot)."""
-    platform = None if mesh is None else mesh.devices.flat[0].platform
+    same logical-axis table as the parameters."""
+    from jaxllm.parallel import platform_of
+    platform = platform_of(mesh)
 
     def local(q, k, v, kv_cache, layer, md):
         kv_cache = write_kv(kv_cache, layer, k, v, md.slot_mapping)

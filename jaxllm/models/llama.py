@@ -17,6 +17,7 @@ from jaxllm.layers.attention import AttentionMetadata, attention_block
 from jaxllm.layers.norm import rms_norm
 from jaxllm.layers.rotary import apply_rope, rope_inv_freq
 from jaxllm.models.arch import ArchConfig
+from jaxllm.parallel import platform_of
 
 
 def param_shapes(cfg: ArchConfig) -> dict[str, tuple[int, ...]]:
@@ -94,8 +95,7 @@ class LlamaForCausalLM(nnx.Module):
         self.attention_backend = attention_backend
         self.mesh = mesh  # tensor parallelism: attention runs under shard_map over it
         if scan_layers is None:
-            platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
-            scan_layers = platform != "gpu"
+            scan_layers = platform_of(mesh) != "gpu"
         self.scan_layers = scan_layers
         shapes = param_shapes(cfg)
         layer_shapes = {k.split(".", 1)[1]: v for k, v in shapes.items() if k.startswith("layers.")}

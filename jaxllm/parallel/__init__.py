@@ -29,6 +29,13 @@ def spec(*logical: str | None) -> P:
     return P(*(LOGICAL_AXIS_RULES.get(name) if name else None for name in logical))
 
 
+def platform_of(mesh: Mesh | None) -> str:
+    """Where a step on `mesh` runs ("gpu", "cpu", ...): its devices may be a compile target on a
+    machine without them (jaxllm bench aot); no mesh means JAX's default backend."""
+    import jax
+    return jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
+
+
 def make_mesh(tensor_parallel_size: int, devices=None) -> Mesh:
     import jax
     devices = list(devices if devices is not None else jax.devices())

@@ -22,7 +22,7 @@ from jaxllm.core.kv_cache_manager import cdiv
 from jaxllm.core.scheduler import SchedulerOutput
 from jaxllm.layers.attention import AttentionMetadata, kv_chunk, max_tiles, q_tile_size
 from jaxllm.models.llama import KV_CACHE_AXES
-from jaxllm.parallel import make_mesh, sharding
+from jaxllm.parallel import make_mesh, platform_of, sharding
 from jaxllm.parallel import multiprocess as mp
 from jaxllm.runner.block_ops import BlockOps
 from jaxllm.runner.buckets import StepShapes, make_buckets
@@ -220,7 +220,7 @@ class ModelRunner:
         return self._step.lower(self._abstract(self.state), self._abstract(self.kv_cache),
                                 self._abstract(self.sampler_state),
                                 *self._abstract_inputs(T, S)).compile(
-            step_compiler_options(self.mesh.devices.flat[0].platform))
+            step_compiler_options(platform_of(self.mesh)))
 
     def compile_all(self, progress: bool = True) -> float:
         start = time.perf_counter()
