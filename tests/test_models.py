@@ -90,20 +90,40 @@ def test_dummy_load_format_builds_real_shapes(tmp_path):
     assert loaded.state["layers"]["q_norm"][...].shape == (2, 32)
 
 
-def test_gguf_tokenizer_cache_round_trip(default_gguf, tmp_path, monkeypatch):
-    """The default model's tokenizer is built from GGUF once, then read back from the cache:
-    the cached one encodes, decodes and templates chats identically."""
+TOKENIZER_TEXTS = ["Hello, world!", "  spaces\tand\nnewlines", "Grüße 世界 🎉", "<|im_start|>user",
+                   "It's 12345 o'clock!!", "\n\n\n  x", "a" * 40, "<think>hmm</think>", "",
+                   "def f(x):\n    return x ** 2  # comment", "ÅÄÖ ñ ß ﬁ ẞ"]
+
+
+def assert_same_tokenizer(ours, ref, texts=TOKENIZER_TEXTS):
+    for t in texts:
+        ids = ref.encode(t)
+        assert ours.encode(t) == ids, t
+        for skip in (True, False):
+            assert ours.decode(ids, skip_special_tokens=skip) == ref.decode(ids, skip_special_tokens=skip)
+    if ref.chat_template:
+        msgs = [{"role": "system", "content": "terse"}, {"role": "user", "content": "hi"}]
+        for gen in (True, False):
+            assert (ours.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+                    == ref.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen))
+    for name in ("bos_token", "eos_token", "unk_token", "pad_token", "eos_token_id", "bos_token_id"):
+        assert getattr(ours, name) == getattr(ref, name), name
+    assert len(ours) == len(ref) and ours.all_special_tokens == ref.all_special_tokens
+
+
+def test_gguf_tokenizer_matches_transformers_and_caches(default_gguf, tmp_path, monkeypatch):
+    """The default model's tokenizer is built from GGUF metadata without torch, exactly as
+    transformers' own (torch-based) GGUF reader builds it; then it is read back from the cache."""
+    import os
+
+    from transformers import AutoTokenizer
+
     from jaxllm.loader import loader
     monkeypatch.setattr(loader, "TOKENIZER_CACHE", str(tmp_path))
     fresh = loader.get_tokenizer(default_gguf)
     assert len(list(tmp_path.iterdir())) == 1
     cached = loader.get_tokenizer(default_gguf)
-    texts = ["Hello, world!", "  spaces\tand\nnewlines", "Grüße 世界 🎉", "<|im_start|>user"]
-    for t in texts:
-        assert cached.encode(t) == fresh.encode(t)
-    ids = fresh.encode(texts[2])
-    assert cached.decode(ids) == fresh.decode(ids)
-    msgs = [{"role": "user", "content": "hi"}]
-    assert (cached.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-            == fresh.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True))
-    assert cached.eos_token_id == fresh.eos_token_id
+    ref = AutoTokenizer.from_pretrained(os.path.dirname(default_gguf),
+                                        gguf_file=os.path.basename(default_gguf))
+    assert_same_tokenizer(fresh, ref)
+    assert_same_tokenizer(cached, ref)

@@ -74,6 +74,7 @@ def _load_tokenizer(path: str, gguf_file: str | None):
     if not gguf_file:
         return AutoTokenizer.from_pretrained(path)
     # Building a tokenizer from GGUF metadata takes seconds; keep the result for the next start.
+    from jaxllm.loader.gguf_tokenizer import gguf_tokenizer
     st = os.stat(gguf_file)
     key = hashlib.sha256(f"{os.path.abspath(gguf_file)}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
     cached = os.path.join(TOKENIZER_CACHE, key)
@@ -82,7 +83,7 @@ def _load_tokenizer(path: str, gguf_file: str | None):
             return AutoTokenizer.from_pretrained(cached)
         except (OSError, ValueError):
             logger.warning("cached tokenizer %s unreadable; rebuilding it", cached)
-    tok = AutoTokenizer.from_pretrained(os.path.dirname(gguf_file), gguf_file=os.path.basename(gguf_file))
+    tok = gguf_tokenizer(gguf_file)
     tmp = f"{cached}.tmp{os.getpid()}"
     try:
         tok.save_pretrained(tmp)
