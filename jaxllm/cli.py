@@ -161,7 +161,11 @@ def main(argv=None) -> int:
 
     args = parser.parse_args(argv)
     args.argv = list(argv) if argv is not None else sys.argv[1:]  # reports record the command
-    return args.func(args) or 0
+    try:
+        return args.func(args) or 0
+    except ValueError as e:  # a refused argument or model: say why in one line, no traceback
+        print(f"jaxllm {args.command}: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

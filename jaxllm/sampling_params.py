@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
@@ -47,6 +48,11 @@ class SamplingParams:
     _stop: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self):
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature",
+                     "top_p", "min_p"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError(f"{name} must be a finite number, got {v!r}")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         if not _is_int(self.n) or self.n < 1:
@@ -96,10 +102,12 @@ class SamplingParams:
         if self.logit_bias is not None:
             try:
                 # OpenAI sends token ids as string keys; vLLM clamps biases to [-100, 100]
-                self.logit_bias = {int(k): min(100.0, max(-100.0, float(v)))
-                                   for k, v in self.logit_bias.items()}
-            except (TypeError, ValueError, AttributeError):
+                bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError, AttributeError, OverflowError):
                 raise ValueError("logit_bias must map token ids to numbers") from None
+            if any(math.isnan(v) for v in bias.values()):
+                raise ValueError("logit_bias values must be numbers, not NaN")
+            self.logit_bias = {k: min(100.0, max(-100.0, v)) for k, v in bias.items()}
             if any(k < 0 for k in self.logit_bias):
                 raise ValueError("logit_bias keys must be non-negative token ids")
         if self.allowed_token_ids is not None:

@@ -28,6 +28,7 @@ from jaxllm.beam_search import BeamSearch, BeamSearchParams
 from jaxllm.runner.sampler import MAX_LOGPROBS
 from jaxllm.sampling_params import SamplingParams
 from serve.metrics import Metrics
+from serve.openapi import openapi_document
 from serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                             TokenizeRequest)
 
@@ -78,16 +79,24 @@ class DisconnectAwareStreamingResponse(StreamingResponse):
 
 
 class OpenAIServer:
-    def __init__(self, engine_config: EngineConfig, server_config: ServerConfig):
+    def __init__(self, engine_config: EngineConfig, server_config: ServerConfig,
+                 on_fatal=None):
+        """on_fatal: called on the event loop when the engine fails (to start or later);
+        `jaxllm serve` then stops the server and exits 1."""
         self.cfg = server_config
         self.metrics = Metrics(server_config.served_model_name)
-        self.engine = AsyncEngine(engine_config, on_step=self.metrics.on_step)
+        self.engine = AsyncEngine(engine_config, on_step=self.metrics.on_step,
+                                  on_fail=self._engine_failed)
         self.created = int(time.time())
+        self.on_fatal = on_fatal
+        self._loop = None
         self._log_task = None
+        self._warned_fields: set[str] = set()
 
     # lifecycle
     @contextlib.asynccontextmanager
     async def lifespan(self, app):
+        self._loop = asyncio.get_running_loop()
         self.engine.start()
         self._log_task = asyncio.create_task(self._periodic_log())
         try:
@@ -95,6 +104,11 @@ class OpenAIServer:
         finally:
             self._log_task.cancel()
             self.engine.shutdown()
+
+    def _engine_failed(self, error: BaseException) -> None:
+        """From the engine thread: hand the failure to the event loop."""
+        if self._loop is not None and self.on_fatal is not None:
+            self._loop.call_soon_threadsafe(self.on_fatal)
 
     async def _periodic_log(self):
         while True:
@@ -113,6 +127,7 @@ class OpenAIServer:
             Route("/tokenize", self._wrap(self.tokenize), methods=["POST"]),
             Route("/detokenize", self._wrap(self.detokenize), methods=["POST"]),
             Route("/version", self._wrap(self.version), methods=["GET"]),
+            Route("/openapi.json", self._wrap(self.openapi), methods=["GET"]),
         ]
         return Starlette(routes=routes, lifespan=self.lifespan,
                          exception_handlers={404: self._not_found, 405: self._not_allowed})
@@ -171,12 +186,28 @@ class OpenAIServer:
             data = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise APIError(400, f"malformed JSON body: {e}", code="invalid_json") from None
+        except RecursionError:
+            raise APIError(400, "the JSON body is nested too deeply", code="invalid_json") from None
+        check_json(data)
         try:
-            return model_cls.model_validate(data)
+            body = model_cls.model_validate(data)
         except ValidationError as e:
             err = e.errors()[0]
             param = ".".join(str(x) for x in err["loc"]) or None
             raise APIError(400, f"{param}: {err['msg']}", param=param) from None
+        refused = body.refused_field()
+        if refused is not None:
+            raise APIError(400, f"{refused} is not supported by this server yet", param=refused,
+                           code="unsupported_parameter")
+        problem = body.check() if hasattr(body, "check") else None
+        if problem is not None:
+            raise APIError(400, problem[1], param=problem[0])
+        unknown = [f for f in body.unknown_fields() if f not in self._warned_fields]
+        if unknown:
+            self._warned_fields.update(unknown)
+            logger.warning("request fields ignored (not part of the API; warned once each): %s",
+                           ", ".join(unknown))
+        return body
 
     def _check_model(self, name: str | None) -> None:
         if name is not None and name != self.cfg.served_model_name:
@@ -218,14 +249,16 @@ class OpenAIServer:
         except ValueError as e:
             raise APIError(400, str(e), param=_field_of(str(e))) from None
 
-    async def _beam_search(self, request: Request, base: str, ids: list[int], params: BeamSearchParams):
+    async def _beam_search(self, request: Request, base: str, ids: list[int], params: BeamSearchParams,
+                           body):
         """Beam search through the shared engine: each step's one-token requests run in the
         continuous batch beside everything else."""
         engine = self.engine.engine
         search = BeamSearch([ids], params, engine.eos_token_id)
         step = 0
         while pending := search.pending():
-            gens = [self._run(f"{base}-beam{step}-{j}", {"prompt_token_ids": t}, search.step_params(), 0)
+            gens = [self._run(f"{base}-beam{step}-{j}", {"prompt_token_ids": t, **_salt(body)},
+                              search.step_params(), body.priority)
                     for j, t in enumerate(pending)]
             outs = await self._collect(request, gens)
             search.advance([o.outputs[0].logprobs[0] for o in outs])
@@ -247,10 +280,11 @@ class OpenAIServer:
             choices.append(c)
         return choices
 
-    async def _beam_response(self, request, base, prompts_ids, params, chat: bool, stream: bool):
+    async def _beam_response(self, request, base, prompts_ids, params, body, chat: bool):
+        stream = body.stream
         choices, usage = [], _usage()
         for k, ids in enumerate(prompts_ids):
-            seqs = await self._beam_search(request, f"{base}-{k}", ids, params)
+            seqs = await self._beam_search(request, f"{base}-{k}", ids, params, body)
             choices += self._beam_choices(seqs, len(ids), chat, offset=k * params.beam_width)
             usage["prompt_tokens"] += len(ids)
             usage["completion_tokens"] += sum(len(s.tokens) - len(ids) for s in seqs)
@@ -302,8 +336,8 @@ class OpenAIServer:
                     return
 
         watcher = asyncio.create_task(disconnected())
-        done, _ = await asyncio.wait([asyncio.gather(*tasks), watcher],
-                                     return_when=asyncio.FIRST_COMPLETED)
+        gathered = asyncio.gather(*tasks)
+        done, _ = await asyncio.wait([gathered, watcher], return_when=asyncio.FIRST_COMPLETED)
         if watcher in done:
             for t in tasks:
                 t.cancel()
@@ -311,14 +345,14 @@ class OpenAIServer:
             raise APIError(499, "client disconnected")
         watcher.cancel()
         try:
-            return [t.result() for t in tasks]
+            return gathered.result()
         except ValueError as e:
             raise APIError(400, str(e), param=_field_of(str(e))) from None
 
     # endpoints
     async def health(self, request: Request):
-        if self.engine.error is not None:
-            return JSONResponse({"status": "error", "error": str(self.engine.error)}, status_code=503)
+        if self.engine.error is not None:  # as vLLM: a dead engine is a server error
+            return JSONResponse({"status": "error", "error": str(self.engine.error)}, status_code=500)
         return JSONResponse({"status": "ok"})
 
     async def health_ready(self, request: Request):
@@ -329,6 +363,9 @@ class OpenAIServer:
 
     async def version(self, request: Request):
         return JSONResponse({"version": jaxllm.__version__})
+
+    async def openapi(self, request: Request):
+        return JSONResponse(openapi_document())
 
     async def prometheus(self, request: Request):
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
@@ -375,9 +412,7 @@ class OpenAIServer:
             body.prompt_logprobs = body.logprobs  # echoed prompt tokens carry logprobs too
         items = []
         for p in prompts:
-            ids = self._validate(p, _PROBE) if isinstance(p, str) else p
-            if not ids:
-                raise APIError(400, "prompt is empty: it must contain at least one token", param="prompt")
+            ids = self._validate(p, _PROBE)  # text is tokenized; ids are range-checked
             params = self._params(body, len(ids), body.max_tokens)
             text = p if isinstance(p, str) else (engine.tokenizer.decode(ids) if engine.tokenizer else "")
             if not body.use_beam_search:
@@ -387,7 +422,7 @@ class OpenAIServer:
         base = f"cmpl-{uuid.uuid4().hex}"
         if body.use_beam_search:
             return await self._beam_response(request, base, [ids for ids, _, _ in items], items[0][2],
-                                             chat=False, stream=body.stream)
+                                             body, chat=False)
         gens = [self._run(f"{base}-{i}", {"prompt_token_ids": ids, **_salt(body)}, params,
                           body.priority) for i, (ids, _, params) in enumerate(items)]
         if body.stream:
@@ -480,7 +515,7 @@ class OpenAIServer:
         self._admit()
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if body.use_beam_search:
-            return await self._beam_response(request, rid, [ids], params, chat=True, stream=body.stream)
+            return await self._beam_response(request, rid, [ids], params, body, chat=True)
         self._validate(prompt, params)
         gen = self._run(rid, prompt, params, body.priority)
         if body.stream:
@@ -557,6 +592,30 @@ class _Outputs:
         if not self.finished:
             self.server.engine.abort(self.rid)
         await self._it.aclose()
+
+
+MAX_JSON_DEPTH = 32
+
+
+def check_json(value, path: str = "", depth: int = 0) -> None:
+    """Refuse what pydantic and the tokenizer would choke on: nesting deeper than any request
+    needs, and strings that are not valid Unicode (JSON can escape a lone UTF-16 surrogate)."""
+    if depth > MAX_JSON_DEPTH:
+        raise APIError(400, f"the JSON body is nested more than {MAX_JSON_DEPTH} levels deep",
+                       param=path.split(".")[0] or None, code="invalid_json")
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise APIError(400, f"{path or 'body'}: invalid Unicode (a lone surrogate)",
+                           param=path.split(".")[0] or None) from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            check_json(k, path, depth + 1)
+            check_json(v, f"{path}.{k}" if path else str(k), depth + 1)
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            check_json(v, f"{path}.{i}" if path else str(i), depth + 1)
 
 
 def _sse(obj) -> str:

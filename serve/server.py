@@ -11,6 +11,7 @@ import uvicorn
 
 from jaxllm.config import EngineConfig
 from jaxllm.loader.loader import DEFAULT_MODEL_NAME
+from jaxllm.engine.async_engine import describe_error
 from serve.app import OpenAIServer, ServerConfig
 
 logger = logging.getLogger("jaxllm")
@@ -57,5 +58,11 @@ def run_server(engine_config: EngineConfig, host: str, port: int, served_model_n
     logger.info("serving %s on http://%s:%d", name, host, port)
     # uvicorn stops accepting on SIGTERM/SIGINT, lets in-flight requests finish (bounded by
     # timeout_graceful_shutdown), then runs the lifespan shutdown that stops the engine
-    _Server(config).run()
+    uv = _Server(config)
+    # an engine that cannot start (or dies) stops the server: a supervisor sees exit status 1
+    server.on_fatal = lambda: setattr(uv, "should_exit", True)
+    uv.run()
+    if server.engine.error is not None:
+        logger.error("exiting: the engine failed (%s)", describe_error(server.engine.error))
+        return 1
     return 0

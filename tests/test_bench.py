@@ -4,12 +4,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
-import httpx
 import pytest
 
 from conftest import read_json
+from server_util import start_server
 from jaxllm.cli import main
 
 ENGINE = ["--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--max-model-len", "256"]
@@ -101,25 +100,8 @@ def test_real_shape_configs_parse():
 
 @pytest.fixture(scope="module")
 def bench_server(tiny_llama, tmp_path_factory):
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     log = tmp_path_factory.mktemp("bench_server") / "server.log"
-    with open(log, "w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "jaxllm.cli", "serve", tiny_llama, "--port",
-                                 str(port), *ENGINE], stdout=f, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    while True:
-        assert proc.poll() is None, log.read_text()[-2000:]
-        try:
-            if httpx.get(base + "/health/ready", timeout=2).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert time.time() < deadline
-        time.sleep(0.2)
+    proc, base, _ = start_server([tiny_llama, *ENGINE], log)
     yield base
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=60)

@@ -4,11 +4,7 @@ Tests run in file order against one server; the last one sends SIGTERM and check
 """
 import asyncio
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 
 import httpx
@@ -16,44 +12,22 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from server_util import start_server, stop
+
 KEY = "test-key"
 MODEL = "tiny"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# the same engine shape in every server test: compiled once per run (shared compilation cache)
+SERVER_ENGINE = ["--max-model-len", "256", "--max-num-seqs", "16", "--max-num-batched-tokens", "128"]
 
 
 @pytest.fixture(scope="module")
 def server(tiny_llama, tmp_path_factory):
-    port = free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
-    cmd = [sys.executable, "-m", "jaxllm.cli", "serve", tiny_llama, "--port", str(port),
-           "--served-model-name", MODEL, "--api-key", KEY, "--max-model-len", "256",
-           "--max-num-seqs", "16", "--max-num-batched-tokens", "128", "--max-queue-len", "100",
-           "--shutdown-timeout", "60", "--log-interval", "2"]
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ})
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    seen_loading = False
-    while True:
-        assert proc.poll() is None, log.read_text()[-3000:]
-        try:
-            r = httpx.get(f"{base}/health/ready", timeout=2)
-            if r.status_code == 200:
-                break
-            seen_loading |= r.status_code == 503
-        except httpx.TransportError:
-            pass
-        assert time.time() < deadline, "server did not become ready"
-        time.sleep(0.1)
+    proc, base, seen_loading = start_server(
+        [tiny_llama, "--served-model-name", MODEL, "--api-key", KEY, *SERVER_ENGINE,
+         "--max-queue-len", "100", "--shutdown-timeout", "60", "--log-interval", "2"], log)
     yield {"base": base, "proc": proc, "log": log, "seen_loading": seen_loading}
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
+    stop(proc)
 
 
 @pytest.fixture()

@@ -27,6 +27,12 @@ class EngineDeadError(RuntimeError):
     pass
 
 
+def describe_error(e: BaseException) -> str:
+    """One line: the exception's type and the first line of its message."""
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+
+
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
@@ -37,8 +43,11 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig, on_step: Callable[[LLMEngine, list, float], None] | None = None):
+    def __init__(self, config: EngineConfig,
+                 on_step: Callable[[LLMEngine, list, float], None] | None = None,
+                 on_fail: Callable[[BaseException], None] | None = None):
         self.config = config
+        self._on_fail = on_fail
         self.engine: LLMEngine | None = None
         self.ready = threading.Event()
         self.error: BaseException | None = None
@@ -65,8 +74,10 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             self.engine = LLMEngine(self.config)
-        except BaseException as e:  # a start-up failure is reported by /health
-            logger.exception("engine failed to start")
+        except BaseException as e:  # reported by /health and on_fail
+            if not isinstance(e, ValueError):  # not a refused input: the details help
+                logger.warning("engine start-up raised", exc_info=True)
+            logger.error("engine failed to start: %s", describe_error(e))
             self._fail(e)
             return
         self.ready.set()
@@ -90,6 +101,7 @@ class AsyncEngine:
                     self._on_step(engine, outputs, elapsed)
         except BaseException as e:
             logger.exception("engine loop died")
+            logger.error("engine failed: %s", describe_error(e))
             self._fail(e)
         finally:
             engine.shutdown()  # followers on other processes stop with us
@@ -101,6 +113,8 @@ class AsyncEngine:
             streams, self._streams = list(self._streams.values()), {}
         for stream in streams:
             stream.put(EngineDeadError(str(error)))
+        if self._on_fail is not None:
+            self._on_fail(error)
 
     def _drain_inbox(self, block: bool) -> bool:
         """Takes queued adds and aborts; True if there were any."""

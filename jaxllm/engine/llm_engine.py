@@ -173,6 +173,13 @@ class LLMEngine:
         if num < 2:
             raise ValueError(f"the KV-cache budget fits {num} blocks of {per_block} bytes; "
                              "at least 2 are needed (raise the memory budget)")
+        if platform == "cpu":
+            # past the host's free memory the kernel's OOM killer ends the process silently
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            if num * per_block > free:
+                raise ValueError(f"the KV cache needs {num * per_block / 2**30:.1f} GiB of memory "
+                                 f"but the host has {free / 2**30:.1f} GiB free; lower "
+                                 "kv_cache_memory_bytes or num_gpu_blocks_override")
         tokens = (num - 1) * cfg.block_size
         logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB); maximum concurrency "
                     "for %d-token requests: %.2fx", num, cfg.block_size, tokens,

@@ -1,0 +1,48 @@
+"""Starting `jaxllm serve` for real on loopback, for the tests that drive it over HTTP."""
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(args: list[str], log_path, timeout: float = 300, env: dict | None = None):
+    """`jaxllm serve ARGS --port P`, waited on until /health/ready says 200. Returns
+    (process, base URL, whether /health/ready said 503 while loading)."""
+    port = free_port()
+    with open(log_path, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "jaxllm.cli", "serve", *args, "--port",
+                                 str(port)], stdout=f, stderr=subprocess.STDOUT,
+                                env={**os.environ, **(env or {})})
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + timeout
+    seen_loading = False
+    while True:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited with {proc.returncode}:\n"
+                                 + open(log_path).read()[-3000:])
+        try:
+            r = httpx.get(f"{base}/health/ready", timeout=2)
+            if r.status_code == 200:
+                return proc, base, seen_loading
+            seen_loading |= r.status_code == 503
+        except httpx.TransportError:
+            pass
+        if time.time() > deadline:
+            proc.kill()
+            raise AssertionError("server did not become ready:\n" + open(log_path).read()[-3000:])
+        time.sleep(0.1)
+
+
+def stop(proc) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
