@@ -49,6 +49,8 @@ TINY_VARIANTS = {
     "mistral": ("MistralForCausalLM", dict(sliding_window=None, head_dim=16)),
     "qwen2": ("Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3ForCausalLM", dict(head_dim=32)),
+    # every projection with a bias
+    "llama_bias": ("LlamaForCausalLM", dict(attention_bias=True, mlp_bias=True)),
 }
 
 

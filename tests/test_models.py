@@ -127,3 +127,106 @@ def test_gguf_tokenizer_matches_transformers_and_caches(default_gguf, tmp_path, 
                                         gguf_file=os.path.basename(default_gguf))
     assert_same_tokenizer(fresh, ref)
     assert_same_tokenizer(cached, ref)
+
+
+def hf_logits(hf, ids):
+    import torch
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].numpy()
+
+
+@pytest.mark.parametrize("variant", ["llama3", "llama_bias"])
+def test_gguf_matches_its_hf_twin(tmp_path, variant, default_gguf):
+    """A tiny checkpoint written as GGUF the way llama.cpp converts it: Llama 3.1 RoPE scaling
+    comes back from the rope_freqs tensor, biases from their tensors, and the logits equal the
+    HF model's."""
+    from gguf_util import write_gguf
+
+    hf = make_tiny_checkpoint(tmp_path / "hf", variant)
+    path = str(tmp_path / "tiny.gguf")
+    write_gguf(hf, path, tokenizer_from=default_gguf)
+    loaded = load_model(path, jnp.float32, load_tokenizer=False)
+    if variant == "llama3":
+        assert loaded.arch.rope_scaling["rope_type"] == "freq_factors"
+    ids = np.random.default_rng(1).integers(0, hf.config.vocab_size, size=90).tolist()
+    ref = hf_logits(hf, ids)
+    ours = all_logits(loaded, ids)
+    rel = np.abs(ours - ref).max() / np.abs(ref).max()
+    assert rel < 1e-4, f"{variant}: max relative error {rel:.2e}"
+
+
+def test_unknown_or_unexpected_tensors_are_errors(tmp_path, default_gguf):
+    import gguf
+    from safetensors.numpy import load_file, save_file
+
+    from gguf_util import write_gguf
+
+    hf = make_tiny_checkpoint(tmp_path, "mistral")
+    path = tmp_path / "model.safetensors"
+    tensors = load_file(path)
+    # a bias the configuration does not announce
+    bad = dict(tensors, **{"model.layers.0.self_attn.o_proj.bias": np.zeros(64, np.float32)})
+    save_file(bad, path, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"o_proj.bias has no place"):
+        load_model(str(tmp_path), jnp.float32, load_tokenizer=False)
+    # a tensor nobody maps
+    bad = dict(tensors, **{"model.layers.1.mlp.experts.0.weight": np.zeros((2, 2), np.float32)})
+    save_file(bad, path, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"mlp.experts.0.weight is not used"):
+        load_model(str(tmp_path), jnp.float32, load_tokenizer=False)
+    # inverse RoPE frequencies some checkpoints carry are recomputed, not an error
+    ok = dict(tensors, **{"model.layers.0.self_attn.rotary_emb.inv_freq": np.ones(8, np.float32)})
+    save_file(ok, path, metadata={"format": "pt"})
+    load_model(str(tmp_path), jnp.float32, load_tokenizer=False)
+    # GGUF: an unknown tensor
+    g = str(tmp_path / "x.gguf")
+    write_gguf(hf, g, tokenizer_from=default_gguf)
+    r = gguf.GGUFReader(g)
+    w = gguf.GGUFWriter(str(tmp_path / "y.gguf"), "llama")
+    for k, f in r.fields.items():
+        if k.startswith(("GGUF.", "general.architecture")):
+            continue
+        w.add_key_value(k, f.contents(), f.types[0] if len(f.types) == 1 else f.types[0],
+                        sub_type=f.types[-1] if len(f.types) > 1 else None)
+    for t in r.tensors:
+        w.add_tensor(t.name, np.asarray(t.data).reshape([int(d) for d in reversed(t.shape)]))
+    w.add_tensor("blk.0.ffn_gate_exps.weight", np.zeros((2, 2), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match=r"blk.0.ffn_gate_exps.weight is not used"):
+        load_model(str(tmp_path / "y.gguf"), jnp.float32, load_tokenizer=False)
+
+
+def _config_dict(tmp_path, variant, **over):
+    import json
+    make_tiny_checkpoint(tmp_path, variant)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg.update(over)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+
+
+def test_activation_other_than_silu_is_refused(tmp_path):
+    _config_dict(tmp_path, "mistral", hidden_act="gelu")
+    with pytest.raises(ValueError, match="hidden_act 'gelu' is not supported"):
+        load_model(str(tmp_path), jnp.float32, load_tokenizer=False)
+
+
+@pytest.mark.parametrize("max_window_layers,window", [(2, None), (0, 32), (1, "error")])
+def test_qwen2_sliding_window_honoured_or_refused(tmp_path, max_window_layers, window):
+    """Qwen2's use_sliding_window applies from layer max_window_layers on: none, all layers
+    (a window everywhere), or a mix, which is refused rather than run wrongly."""
+    import transformers
+    cfg = transformers.Qwen2Config(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True, sliding_window=32,
+        max_window_layers=max_window_layers).to_dict()
+    cfg["architectures"] = ["Qwen2ForCausalLM"]
+    from jaxllm.models import ArchConfig
+    for d in (cfg, {k: v for k, v in cfg.items() if k != "layer_types"}):
+        if window == "error":
+            with pytest.raises(ValueError, match="some layers only"):
+                ArchConfig.from_hf(d)
+        else:
+            assert ArchConfig.from_hf(d).sliding_window == window

@@ -15,6 +15,11 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> np.ndarr
         return inv_freq
     if kind == "linear":
         return inv_freq / float(scaling["factor"])
+    if kind == "freq_factors":  # per-frequency divisors, as GGUF's rope_freqs tensor holds them
+        factors = np.asarray(scaling["factors"], np.float32)
+        if factors.shape != inv_freq.shape:
+            raise ValueError(f"rope frequency factors have shape {factors.shape}, expected {inv_freq.shape}")
+        return (inv_freq / factors).astype(np.float32)
     if kind == "llama3":
         factor = float(scaling["factor"])
         low = float(scaling.get("low_freq_factor", 1.0))

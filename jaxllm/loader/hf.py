@@ -16,6 +16,10 @@ _LAYER = {
     "self_attn.q_proj.bias": ("bq", False),
     "self_attn.k_proj.bias": ("bk", False),
     "self_attn.v_proj.bias": ("bv", False),
+    "self_attn.o_proj.bias": ("bo", False),
+    "mlp.gate_proj.bias": ("b_gate", False),
+    "mlp.up_proj.bias": ("b_up", False),
+    "mlp.down_proj.bias": ("b_down", False),
     "self_attn.q_norm.weight": ("q_norm", False),
     "self_attn.k_norm.weight": ("k_norm", False),
     "mlp.gate_proj.weight": ("w_gate", True),
@@ -30,8 +34,14 @@ _GLOBAL = {
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 
+# tensors some checkpoints carry that hold nothing the model needs (RoPE's inverse
+# frequencies, recomputed from the config)
+_IGNORED_RE = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+
+
 def map_hf_name(name: str) -> tuple[str, int | None, bool] | None:
-    """(our name, layer index or None, transpose) or None for tensors we do not use."""
+    """(our name, layer index or None, transpose); None for a tensor that is safe to skip.
+    A tensor we do not know is an error: skipping it would run a different model."""
     if name in _GLOBAL:
         ours, t = _GLOBAL[name]
         return ours, None, t
@@ -39,7 +49,10 @@ def map_hf_name(name: str) -> tuple[str, int | None, bool] | None:
     if m and m.group(2) in _LAYER:
         ours, t = _LAYER[m.group(2)]
         return "layers." + ours, int(m.group(1)), t
-    return None
+    if _IGNORED_RE.fullmatch(name):
+        return None
+    raise ValueError(f"checkpoint tensor {name} is not used by this model (unsupported "
+                     "architecture variant?)")
 
 
 class StackedWeights:
@@ -55,7 +68,10 @@ class StackedWeights:
             transpose: bool = False) -> None:
         """Store `value` (`value.T` when `transpose`), checking its shape as the file has it."""
         if name not in self.shapes:
-            return  # e.g. lm_head of a tied checkpoint
+            if name == "lm_head" and "embed_tokens" in self.shapes:
+                return  # tied embeddings: some checkpoints store the copy anyway
+            raise ValueError(f"checkpoint tensor {source} has no place in this model's "
+                             f"configuration (is a config flag such as a bias missing?)")
         full = self.shapes[name]
         want = tuple(full[1:] if layer is not None else full)
         file_shape = want[::-1] if transpose else want

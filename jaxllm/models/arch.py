@@ -20,6 +20,8 @@ class ArchConfig:
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None
     bos_token_id: int | None = None
@@ -35,14 +37,15 @@ class ArchConfig:
     def from_hf(cls, cfg: dict) -> "ArchConfig":
         from jaxllm.models.registry import resolve_architecture
         arch = resolve_architecture(cfg.get("architectures"))
+        act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
+        if act != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported for {arch}; only 'silu' is")
         heads = cfg["num_attention_heads"]
         # transformers 5 folds rope_theta and rope_scaling into rope_parameters
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
         theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
         kind = rope.get("rope_type", rope.get("type", "default"))
-        sliding = cfg.get("sliding_window")
-        if arch.startswith("Qwen") and not cfg.get("use_sliding_window", False):
-            sliding = None
+        attention_bias = bool(cfg.get("attention_bias", False))
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -57,9 +60,35 @@ class ArchConfig:
             rope_scaling=None if kind == "default" else rope,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            qkv_bias=arch == "Qwen2ForCausalLM" or cfg.get("attention_bias", False),
+            # Qwen2 always has q/k/v biases and never an o bias; the others follow attention_bias
+            qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias,
+            o_bias=arch != "Qwen2ForCausalLM" and attention_bias,
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
             qk_norm=arch == "Qwen3ForCausalLM",
-            sliding_window=sliding,
+            sliding_window=_sliding_window(cfg, arch),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=cfg.get("eos_token_id"),
         )
+
+
+def _sliding_window(cfg: dict, arch: str) -> int | None:
+    """One window for every layer, or None. Qwen's use_sliding_window / max_window_layers (and
+    transformers' layer_types) may give some layers a window and others none; that mix is
+    refused rather than run with the wrong attention."""
+    layers = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types")
+    if types is None and arch.startswith("Qwen"):
+        if not cfg.get("use_sliding_window", False):
+            return None
+        first = cfg.get("max_window_layers", layers)
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    if types is None:
+        return cfg.get("sliding_window")
+    kinds = set(types)
+    if kinds <= {"full_attention"}:
+        return None
+    if kinds == {"sliding_attention"} and cfg.get("sliding_window"):
+        return cfg["sliding_window"]
+    raise ValueError(f"{arch}: sliding-window attention on some layers only ({types.count('sliding_attention')} "
+                     f"of {layers}, from use_sliding_window/max_window_layers/layer_types) is not "
+                     "supported; all layers or none must use the window")

@@ -39,6 +39,10 @@ def param_shapes(cfg: ArchConfig) -> dict[str, tuple[int, ...]]:
     }
     if cfg.qkv_bias:
         shapes |= {"layers.bq": (L, H * D), "layers.bk": (L, K * D), "layers.bv": (L, K * D)}
+    if cfg.o_bias:
+        shapes["layers.bo"] = (L, E)
+    if cfg.mlp_bias:
+        shapes |= {"layers.b_gate": (L, F), "layers.b_up": (L, F), "layers.b_down": (L, E)}
     if cfg.qk_norm:
         shapes |= {"layers.q_norm": (L, D), "layers.k_norm": (L, D)}
     if not cfg.tie_word_embeddings:
@@ -60,6 +64,10 @@ PARAM_AXES = {
     "layers.bq": ("layers", "heads"),
     "layers.bk": ("layers", "kv_heads"),
     "layers.bv": ("layers", "kv_heads"),
+    "layers.bo": ("layers", "embed"),
+    "layers.b_gate": ("layers", "mlp"),
+    "layers.b_up": ("layers", "mlp"),
+    "layers.b_down": ("layers", "embed"),
     "layers.q_norm": ("layers", "head_dim"),
     "layers.k_norm": ("layers", "head_dim"),
     "layers.w_gate": ("layers", "embed", "mlp"),
@@ -136,9 +144,14 @@ class LlamaForCausalLM(nnx.Module):
             k = apply_rope(k, md.positions, inv_freq)
             o, kv = attention_block(q, k, v, kv, i, md, scale, cfg.sliding_window,
                                     self.attention_backend, self.mesh)
-            x = x + o.reshape(T, H * D) @ w["wo"]
+            o = o.reshape(T, H * D) @ w["wo"]
+            x = x + (o + w["bo"] if cfg.o_bias else o)
             h = rms_norm(x, w["post_norm"], eps)
-            x = x + (jax.nn.silu(h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"]
+            gate, up = h @ w["w_gate"], h @ w["w_up"]
+            if cfg.mlp_bias:
+                gate, up = gate + w["b_gate"], up + w["b_up"]
+            down = (jax.nn.silu(gate) * up) @ w["w_down"]
+            x = x + (down + w["b_down"] if cfg.mlp_bias else down)
             return (x, kv, i + 1), None
 
         weights = self.layers.weights()
