@@ -38,6 +38,8 @@ class EngineConfig:
     num_processes: int = 1
     process_id: int = 0
     enable_prefix_caching: bool = True
+    # the host schedules step N+1 while the device runs step N (outputs are identical)
+    async_scheduling: bool = True
     scheduling_policy: str = "fcfs"      # or "priority": lower `priority` values first
     preemption_mode: str = "recompute"   # or "swap": blocks go to host memory and back
     swap_space: float = 4.0              # GiB of host memory for swapped blocks

@@ -13,8 +13,7 @@ from jaxllm.config import EngineConfig
 from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.engine.outputs import RequestOutput
 from jaxllm.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
-from jaxllm.runner.sampler import MAX_LOGPROBS
-from jaxllm.sampling_params import RequestOutputKind, SamplingParams
+from jaxllm.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
 
 
 def _is_token_list(x) -> bool:
@@ -66,12 +65,13 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
         engine = self.llm_engine
-        for prompt, p in zip(prompts, params):  # reject bad input before anything runs
-            engine.validate_request(prompt, p)
-        params = _final_only(params)
+        # validated and tokenized once, before anything runs: bad input is refused up front
+        requests = [engine.process_inputs(prompt, p) for prompt, p in zip(prompts, params)]
+        for r, p in zip(requests, _final_only(params)):
+            r.params = p
         ids = [str(next(self._counter)) for _ in prompts]
-        for rid, prompt, p in zip(ids, prompts, params):
-            engine.add_request(rid, prompt, p)
+        for rid, r in zip(ids, requests):
+            engine.add_request(rid, r)
         return self._run(ids, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
@@ -100,7 +100,8 @@ class LLM:
         engine = self.llm_engine
         if 2 * params.beam_width > MAX_LOGPROBS:
             raise ValueError(f"beam_width must be at most {MAX_LOGPROBS // 2}, got {params.beam_width}")
-        ids = [engine.validate_request(p, SamplingParams(max_tokens=params.max_tokens))[1] for p in prompts]
+        ids = [engine.process_inputs(p, SamplingParams(max_tokens=params.max_tokens)).prompt_token_ids
+               for p in prompts]
         search = BeamSearch(ids, params, engine.eos_token_id)
         bar = tqdm(total=params.max_tokens, desc="beam search", disable=not use_tqdm)
         while pending := search.pending():

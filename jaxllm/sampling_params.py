@@ -5,7 +5,8 @@ import enum
 import math
 from dataclasses import dataclass, field
 
-_GREEDY_EPS = 1e-5
+GREEDY_EPS = 1e-5  # temperatures below this are greedy (the sampler takes the argmax)
+MAX_LOGPROBS = 20  # top logprobs a request may ask for (vLLM's max_logprobs)
 
 
 def _is_int(x) -> bool:
@@ -14,7 +15,8 @@ def _is_int(x) -> bool:
 
 class RequestOutputKind(enum.Enum):
     """Which outputs LLMEngine.step returns for a request (vLLM's names)."""
-    CUMULATIVE = 0  # after every step, everything generated so far (streaming)
+    CUMULATIVE = 0  # after every step, everything generated so far
+    DELTA = 1       # after every step, only what is new (streaming: constant work per token)
     FINAL_ONLY = 2  # once, when the request finishes (offline generate)
 
 
@@ -114,17 +116,13 @@ class SamplingParams:
             self.allowed_token_ids = list(self.allowed_token_ids)
             if not self.allowed_token_ids or any(not _is_int(t) or t < 0 for t in self.allowed_token_ids):
                 raise ValueError("allowed_token_ids must be a non-empty list of token ids")
-        if self.temperature < _GREEDY_EPS:
+        if self.temperature < GREEDY_EPS:
             # greedy: the sampling knobs do not apply
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
 
     @property
     def stop_strings(self) -> list[str]:
         return self._stop
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < _GREEDY_EPS
 
     @property
     def num_sequences(self) -> int:

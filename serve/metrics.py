@@ -51,6 +51,7 @@ class Metrics:
         self.queue_time = histogram("request_queue_time_seconds", "Time spent waiting in the queue.",
                                     _LATENCY_BUCKETS)
         self._last = {}
+        self._stats: dict | None = None  # the engine's counters after its last step
         self._lock = threading.Lock()
         # for the periodic log line
         self._window_prompt = 0
@@ -59,7 +60,7 @@ class Metrics:
 
     def on_step(self, engine, outputs, elapsed: float) -> None:
         """Called by the engine thread after every step."""
-        s = engine.stats()
+        s = self._stats = engine.stats()
         self.running.set(s["num_requests_running"])
         self.waiting.set(s["num_requests_waiting"])
         self.kv_usage.set(s["kv_cache_usage_perc"])
@@ -99,14 +100,16 @@ class Metrics:
             if n > 1 and m.first_token_time is not None:
                 self.tpot.observe((m.finished_time - m.first_token_time) / (n - 1))
 
-    def log_line(self, engine) -> str:
+    def log_line(self) -> str | None:
         with self._lock:
             now = time.monotonic()
             secs = max(now - self._window_start, 1e-9)
             prompt_tps, gen_tps = self._window_prompt / secs, self._window_gen / secs
             self._window_prompt = self._window_gen = 0
             self._window_start = now
-        s = engine.stats()
+        s = self._stats
+        if s is None:
+            return None
         line = (f"Avg prompt throughput: {prompt_tps:.1f} tokens/s, Avg generation throughput: "
                 f"{gen_tps:.1f} tokens/s, Running: {s['num_requests_running']} reqs, Waiting: "
                 f"{s['num_requests_waiting']} reqs, KV cache usage: {100 * s['kv_cache_usage_perc']:.1f}%")

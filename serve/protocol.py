@@ -164,12 +164,13 @@ class ChatMessage(_Model):
 
     def plain(self) -> dict:
         if self.tool_calls or self.tool_call_id is not None or self.role == "tool":
-            raise ValueError("tool messages and tool_calls are not supported yet")
+            raise ValueError("messages: tool messages and tool_calls are not supported yet")
         content = self.content
         if isinstance(content, list):
             kinds = {p.type for p in content}
             if kinds - {"text"}:
-                raise ValueError(f"content parts of type {sorted(kinds - {'text'})} are not supported")
+                raise ValueError(f"messages: content parts of type {sorted(kinds - {'text'})} "
+                                 "are not supported")
             content = "".join(p.text or "" for p in content)
         msg = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
         if self.name is not None:

@@ -21,7 +21,7 @@ def make(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, max_model_len=1
 
 def run_step(s, token=7):
     out = s.schedule()
-    sampled = {rid: token for rid in out.num_scheduled_tokens}
+    sampled = {rid: [token] for rid in out.sampling_req_ids}
     return out, s.update_from_output(out, sampled)
 
 

@@ -89,3 +89,60 @@ def test_special_tokens_skipped_or_kept(bpe_tokenizer):
     kept, _, _ = stream(bpe_tokenizer, [], ids, skip_special_tokens=False)
     assert skipped.output_text == "hi there"
     assert kept.output_text == "hi there" + bpe_tokenizer.eos_token
+
+
+class _CountingTokenizer:
+    """A slow-path tokenizer wrapper that counts decode calls and the ids they decode."""
+
+    def __init__(self, tok):
+        self.tok, self.calls, self.ids = tok, 0, 0
+
+    def decode(self, ids, **kw):
+        self.calls += 1
+        self.ids += len(ids)
+        return self.tok.decode(ids, **kw)
+
+
+def test_long_stream_costs_linear_decoding(bpe_tokenizer):
+    """4,000 tokens: one native decode step per token on the fast path; on the windowed path
+    a bounded number of calls over a bounded window per token (not the whole text)."""
+    text = ("Streaming text, with some ünïcödé and 漢字 and numbers 12345, repeats. " * 300)
+    ids = bpe_tokenizer.encode(text, add_special_tokens=False)[:4000]
+    assert len(ids) == 4000
+    fast = IncrementalDetokenizer(bpe_tokenizer, [1, 2, 3], stop=["NEVER"])
+    for t in ids:
+        fast.update([t])
+    assert fast.num_decode_calls == 4000
+    assert fast.output_text == bpe_tokenizer.decode([1, 2, 3] + ids)[len(bpe_tokenizer.decode([1, 2, 3])):]
+    counting = _CountingTokenizer(bpe_tokenizer)
+    slow = IncrementalDetokenizer(counting, [1, 2, 3], spaces_between_special_tokens=False)
+    for t in ids:
+        slow.update([t])
+    assert counting.calls <= 2 * 4000 and counting.ids <= 2 * 8 * 4000
+    assert slow.output_text == fast.output_text
+
+
+def test_delta_outputs_send_each_character_once(bpe_tokenizer):
+    """DELTA outputs of a 4,000-token sequence: joined, the deltas are exactly the whole text
+    and the token ids (nothing is sent twice, nothing is lost)."""
+    from jaxllm.core.request import Request, RequestStatus
+    from jaxllm.engine.output_processor import OutputProcessor
+    from jaxllm.sampling_params import RequestOutputKind, SamplingParams
+
+    ids = bpe_tokenizer.encode("Deltas stay small, even for long answers. " * 400,
+                               add_special_tokens=False)[:4000]
+    params = SamplingParams(max_tokens=4000, stop=["xyz123"], output_kind=RequestOutputKind.DELTA)
+    proc = OutputProcessor(bpe_tokenizer)
+    req = Request("r", [1, 2], params, eos_token_id=None, seed=0)
+    proc.add("r", None, [1, 2], params, [req], 0.0)
+    texts, toks = [], []
+    for i, t in enumerate(ids):
+        req.append_output_token(t)
+        proc.update(req, [t], None, 0.0, lambda r: None)
+        if i == len(ids) - 1:
+            req.status = RequestStatus.FINISHED_LENGTH
+        for out in proc.make_outputs(["r"]):
+            texts.append(out.outputs[0].text)
+            toks += out.outputs[0].token_ids
+    assert toks == ids and "".join(texts) == bpe_tokenizer.decode([1, 2] + ids)[len(bpe_tokenizer.decode([1, 2])):]
+    assert not proc.parents  # the finished request is gone

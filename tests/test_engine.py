@@ -139,7 +139,7 @@ def test_no_leak_after_finish_and_abort(tiny_llm):
     engine.abort_request(["leak-0", "leak-3"])
     while engine.has_unfinished_requests():
         engine.step()
-        if "leak-5" in engine._parents:
+        if engine.is_unfinished("leak-5"):
             engine.abort_request("leak-5")
     assert kv.num_free_blocks == kv.pool.num_usable_blocks
     assert len(engine.runner.batch) == 0 or not engine.scheduler.has_unfinished_requests()

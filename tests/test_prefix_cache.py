@@ -33,20 +33,24 @@ class FakeRunner:
             self.cache[dev] = list(self.host[host])
         for src, dst in out.blocks_to_copy:
             self.cache[dst] = list(self.cache.get(src, [None] * self.bs))
+        # where each request's tokens start: what the scheduler tells the runner
+        starts = {d.req_id: d.num_computed_tokens
+                  for d in out.scheduled_new_reqs + out.scheduled_cached_reqs}
         for rid, n in out.num_scheduled_tokens.items():
             req = self.sched.requests[rid]
             blocks = self.kv.req_to_blocks[rid]
             assert NULL_BLOCK not in blocks
-            for pos in range(req.num_computed_tokens, req.num_computed_tokens + n):
+            assert starts[rid] + n == req.num_computed_tokens  # the scheduler advanced it
+            for pos in range(starts[rid], starts[rid] + n):
                 self.cache.setdefault(blocks[pos // self.bs], [None] * self.bs)[pos % self.bs] = \
                     req.all_token_ids[pos]
         for rid, n in out.num_scheduled_tokens.items():
             req = self.sched.requests[rid]
             blocks = self.kv.req_to_blocks[rid]
-            for pos in range(req.num_computed_tokens + n):
+            for pos in range(starts[rid] + n):
                 got = self.cache[blocks[pos // self.bs]][pos % self.bs]
                 assert got == req.all_token_ids[pos], f"{rid} reads a wrong token at {pos}"
-        return {rid: self.rng.randrange(3, 12) for rid in out.num_scheduled_tokens}
+        return {rid: [self.rng.randrange(3, 12)] for rid in out.sampling_req_ids}
 
     def step(self):
         out = self.sched.schedule()

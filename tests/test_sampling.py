@@ -207,7 +207,7 @@ def test_greedy_with_knobs_matches_reference(tiny_llm, tiny_llama, knobs):
     prompt = engine.tokenizer.encode("the cat sat on the mat and the dog")
     p = SamplingParams(temperature=0.0, max_tokens=12, **knobs)
     out = tiny_llm.generate({"prompt_token_ids": prompt}, p, use_tqdm=False)[0].outputs[0]
-    bad_ids = engine._tokenize_bad_words(p.bad_words) if p.bad_words else []
+    bad_ids = engine.process_inputs({"prompt_token_ids": prompt}, p).bad_word_ids or []
     for t, tok in enumerate(out.token_ids):
         _, raw = hf_logprobs(hf, prompt + out.token_ids[:t])
         ref = processed_reference(raw[-1], prompt, out.token_ids[:t], p, engine.eos_token_id, bad_ids)

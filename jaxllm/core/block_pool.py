@@ -86,12 +86,3 @@ class BlockPool:
 
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_usable_blocks
-
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached hash (only when no block is in use, as in vLLM)."""
-        if self.num_free_blocks != self.num_usable_blocks:
-            return False
-        for block in range(self.num_blocks):
-            self.block_hash[block] = None
-        self.cached.clear()
-        return True

@@ -174,9 +174,6 @@ class KVCacheManager:
         self.pool.free(blocks)
         return list(zip(blocks, host))
 
-    def num_host_blocks(self, request: Request) -> int:
-        return len(self.req_to_host_blocks.get(request.request_id, []))
-
     def swap_in(self, request: Request, num_new_tokens: int) -> tuple[list[int], list[tuple[int, int]]] | None:
         """Device blocks for a swapped request and `num_new_tokens` more: (blocks,
         (host, device) pairs to copy back), or None when they do not fit."""

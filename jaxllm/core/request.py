@@ -34,8 +34,10 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: "SamplingParams", eos_token_id: int | None,
                  seed: int, arrival_time: float | None = None, priority: int = 0,
-                 cache_salt: str | None = None, lora_id: int | None = None):
+                 cache_salt: str | None = None, lora_id: int | None = None,
+                 parent_id: str | None = None):
         self.request_id = request_id
+        self.parent_id = request_id if parent_id is None else parent_id  # n > 1: the request's id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
@@ -55,16 +57,20 @@ class Request:
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []
         self.all_token_ids = list(prompt_token_ids)
+        # tokens whose KV is computed or scheduled: advanced when a step is scheduled
         self.num_computed_tokens = 0
+        # tokens sampled by steps still in flight (async scheduling): not known to the host
+        self.num_output_placeholders = 0
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
-        self.first_scheduled_time: float | None = None
-        self.first_token_time: float | None = None
-        self.finished_time: float | None = None
 
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        return len(self.all_token_ids) + self.num_output_placeholders
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -3,6 +3,11 @@
 Each request has `num_computed_tokens` and `num_tokens`; every step hands tokens out so that
 requests catch up. Chunked prefill (a prompt larger than the budget), prefix-cache hits,
 decode (one new token) and resumption after preemption all fall out of the same loop.
+
+The counts are advanced here, when a step is scheduled. A step whose tokens reach the end of a
+request samples its next token; until the host learns it (async scheduling: one step later)
+the token is a placeholder, and the next step may already compute it (the runner takes its id
+from the device). update_from_output() appends the tokens the step produced, 0..k of them.
 """
 from __future__ import annotations
 
@@ -55,6 +60,11 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)   # (host, device)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)      # (src, dst)
+    # requests whose scheduled tokens reach their end: they sample their next token
+    sampling_req_ids: set[str] = field(default_factory=set)
+    # the requests scheduled, as objects: an id finished and reused while the step ran must
+    # not receive the step's tokens (host side only; the runner never reads it)
+    scheduled_reqs: dict[str, Request] = field(default_factory=dict, repr=False)
 
     @property
     def is_empty(self) -> bool:
@@ -100,6 +110,8 @@ class Scheduler:
         self._pending_copies: dict[str, tuple[int, int]] = {}
         self.num_preemptions = 0
         self.num_swaps = 0
+        self.num_prompt_tokens = 0  # prompt tokens scheduled (prefix-cache hits excluded)
+        self.num_generation_tokens = 0  # output tokens appended
 
     def _order(self, req: Request):
         return (req.priority, req.arrival_time) if self.policy == "priority" else (req.arrival_time,)
@@ -133,15 +145,19 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is None or req.status.finished:
                 continue
-            if rid in self._held:
-                del self._held[rid]
-            elif req in self.running:
-                self.running.remove(req)
-            else:
-                self.waiting.remove(req)
-            self._free(req, status)
+            self._finish(req, status)
             finished.append(req)
         return finished
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        """Take the request out of whichever queue holds it, and free it."""
+        if req.request_id in self._held:
+            del self._held[req.request_id]
+        elif req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        self._free(req, status)
 
     def _drop_copy(self, req: Request) -> None:
         """A sibling gives its blocks back before its pending copy ran: the copy must not
@@ -174,6 +190,13 @@ class Scheduler:
         return len(self.running)
 
     # one step
+    def _length_reached(self, req: Request) -> bool:
+        """Its steps in flight already produce every token its length limits allow."""
+        n = req.num_tokens_with_placeholders
+        limit = req.sampling_params.max_tokens
+        return n >= self.max_model_len or (
+            limit is not None and n - req.num_prompt_tokens >= limit)
+
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
@@ -188,7 +211,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = min(req.num_tokens_with_placeholders - req.num_computed_tokens, budget)
+            if num_new <= 0 or (req.num_output_placeholders and self._length_reached(req)):
+                i += 1  # nothing to compute until its tokens in flight are known
+                continue
             while True:
                 blocks = self.kv.allocate_slots(req, num_new)
                 if blocks is not None:
@@ -213,6 +239,8 @@ class Scheduler:
         while (self.waiting and not preempted and budget > 0
                and len(self.running) < self.max_num_seqs):
             req = self.waiting[0]
+            if req.num_output_placeholders:
+                break  # its last token is still in flight: the host must know it first
             if req.status == RequestStatus.SWAPPED:
                 num_new = min(req.num_tokens - req.num_computed_tokens, budget)
                 got = self.kv.swap_in(req, num_new)
@@ -246,24 +274,33 @@ class Scheduler:
         finished = self._finished_ids | {r.request_id for r in preempted}
         # before the lists: a finished id may come back at once as a new request
         self._known_to_runner -= finished
-        new_reqs, cached_reqs = [], []
+        new_reqs, cached_reqs, sampling = [], [], set()
         for req in self.running:
             rid = req.request_id
-            if rid not in num_scheduled:
+            n = num_scheduled.get(rid)
+            if n is None:
                 continue
+            start = req.num_computed_tokens
             if rid in self._known_to_runner:
-                cached_reqs.append(CachedRequestData(rid, new_blocks[rid], req.num_computed_tokens))
+                cached_reqs.append(CachedRequestData(rid, new_blocks[rid], start))
             else:
                 self._known_to_runner.add(rid)
                 new_reqs.append(NewRequestData(
                     rid, list(req.all_token_ids), req.num_prompt_tokens,
-                    list(self.kv.get_blocks(rid)), req.num_computed_tokens,
+                    list(self.kv.get_blocks(rid)), start,
                     req.sampling_params, req.seed, req.eos_token_id, req.bad_word_ids))
+            # the counts advance here, once: the runner mirrors what this output says
+            self.num_prompt_tokens += max(0, min(start + n, req.num_prompt_tokens) - start)
+            req.num_computed_tokens = start + n
+            if req.num_computed_tokens == req.num_tokens_with_placeholders:
+                req.num_output_placeholders += 1
+                sampling.add(rid)
         self._finished_ids = set()
         copies = list(self._pending_copies.values())
         self._pending_copies = {}
         return SchedulerOutput(new_reqs, cached_reqs, num_scheduled,
-                               sum(num_scheduled.values()), finished, swap_out, swap_in, copies)
+                               sum(num_scheduled.values()), finished, swap_out, swap_in, copies,
+                               sampling, {rid: self.requests[rid] for rid in num_scheduled})
 
     def _release_waiting_blocks(self, keep: Request | None = None) -> bool:
         """Forked siblings wait holding their blocks; under memory pressure they give them
@@ -294,26 +331,32 @@ class Scheduler:
         return pairs
 
     def update_from_output(self, out: SchedulerOutput,
-                           sampled: dict[str, int]) -> list[RequestUpdate]:
-        """Advance computed counts, append sampled tokens, finish on EOS / stop ids / length."""
+                           sampled: dict[str, list[int]]) -> list[RequestUpdate]:
+        """The tokens a step produced, per sampling request (0..k each): append them in order,
+        finishing on EOS, stop ids or length (later tokens of the same step are dropped).
+        Requests finished or aborted while the step ran get nothing; requests preempted while
+        it ran keep their token (it was sampled from the right context)."""
         self.kv.end_step()
         updates = []
-        for rid, n in out.num_scheduled_tokens.items():
+        for rid in out.num_scheduled_tokens:
+            if rid not in out.sampling_req_ids:
+                continue  # a prefill chunk: it samples nothing
             req = self.requests.get(rid)
-            if req is None or req.status != RequestStatus.RUNNING:  # aborted while it ran
+            if req is None or req is not out.scheduled_reqs[rid] or req.status.finished:
                 continue
-            req.num_computed_tokens += n
-            if req.num_computed_tokens < req.num_tokens:
-                continue  # a prefill chunk: its sampled token is not the next one
+            req.num_output_placeholders -= 1
             if req.forks:
                 self._fork(req)
-            token = sampled[rid]
-            req.append_output_token(token)
-            updates.append(RequestUpdate(req, [token]))
-            status = self._check_stop(req, token)
-            if status is not None:
-                self.running.remove(req)
-                self._free(req, status)
+            new = []
+            for token in sampled.get(rid, ()):
+                req.append_output_token(token)
+                new.append(token)
+                self.num_generation_tokens += 1
+                status = self._check_stop(req, token)
+                if status is not None:
+                    self._finish(req, status)
+                    break
+            updates.append(RequestUpdate(req, new))
         return updates
 
     def _fork(self, leader: Request) -> None:

@@ -3,7 +3,9 @@
 All requests share one continuous batch. The engine thread owns the LLMEngine: it takes new
 requests and aborts from an inbox between steps, runs a step whenever there is work, and hands
 each output to the asyncio queue of its request with call_soon_threadsafe, so the event loop
-never waits on the device.
+never waits on the device. Tokenization and chat templating run in a small thread pool, so one
+long prompt does not stall the event loop. The server talks to the engine only through this
+class.
 """
 from __future__ import annotations
 
@@ -12,15 +14,19 @@ import logging
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
 from jaxllm.config import EngineConfig
+from jaxllm.engine.input_processor import EngineRequest
 from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.engine.outputs import RequestOutput
 from jaxllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("jaxllm")
+
+TOKENIZER_THREADS = 2
 
 
 class EngineDeadError(RuntimeError):
@@ -48,7 +54,7 @@ class AsyncEngine:
                  on_fail: Callable[[BaseException], None] | None = None):
         self.config = config
         self._on_fail = on_fail
-        self.engine: LLMEngine | None = None
+        self._engine: LLMEngine | None = None
         self.ready = threading.Event()
         self.error: BaseException | None = None
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -56,6 +62,7 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._stopping = False
         self._on_step = on_step
+        self._pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="jaxllm-tokenize")
         self._thread = threading.Thread(target=self._run, name="jaxllm-engine", daemon=True)
 
     # lifecycle
@@ -66,6 +73,7 @@ class AsyncEngine:
         self._stopping = True
         self._inbox.put(("wake", None))
         self._thread.join(timeout)
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     @property
     def is_ready(self) -> bool:
@@ -73,7 +81,7 @@ class AsyncEngine:
 
     def _run(self) -> None:
         try:
-            self.engine = LLMEngine(self.config)
+            self._engine = LLMEngine(self.config)
         except BaseException as e:  # reported by /health and on_fail
             if not isinstance(e, ValueError):  # not a refused input: the details help
                 logger.warning("engine start-up raised", exc_info=True)
@@ -81,7 +89,7 @@ class AsyncEngine:
             self._fail(e)
             return
         self.ready.set()
-        engine = self.engine
+        engine = self._engine
         try:
             while not self._stopping:
                 if self._drain_inbox(block=not engine.has_unfinished_requests()) and self._on_step:
@@ -118,7 +126,7 @@ class AsyncEngine:
 
     def _drain_inbox(self, block: bool) -> bool:
         """Takes queued adds and aborts; True if there were any."""
-        engine = self.engine
+        engine = self._engine
         took = False
         while True:
             try:
@@ -127,9 +135,9 @@ class AsyncEngine:
                 return took
             block, took = False, True
             if op == "add":
-                request_id, prompt, params, priority = arg
+                request_id, prompt, priority = arg
                 try:
-                    engine.add_request(request_id, prompt, params, priority=priority)
+                    engine.add_request(request_id, prompt, priority=priority)
                 except Exception as e:  # validation: the request fails, nothing else does
                     stream = self._streams.pop(request_id, None)
                     if stream is not None:
@@ -138,12 +146,77 @@ class AsyncEngine:
                 engine.abort_request(arg)
                 self._streams.pop(arg, None)
 
+    # what the server may read: fixed once the engine is up
+    @property
+    def engine(self) -> LLMEngine:
+        if self.error is not None:
+            raise EngineDeadError(str(self.error))
+        if self._engine is None or not self.ready.is_set():
+            raise RuntimeError("the engine is not ready")
+        return self._engine
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.config.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.arch.vocab_size
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.engine.eos_token_id
+
+    def token_text(self, token_id: int) -> str:
+        return self.engine.token_text(token_id) or ""
+
+    # tokenization, off the event loop
+    async def _in_pool(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def tokenize(self, prompt) -> tuple[str | None, list[int], str | None]:
+        """(text, token ids, cache_salt) of a prompt (see InputProcessor.tokenize)."""
+        return await self._in_pool(self.engine.inputs.tokenize, prompt)
+
+    async def process(self, prompt, params: SamplingParams) -> EngineRequest:
+        """Validate a prompt with its parameters (tokenizing what needs it) for submit()."""
+        return await self._in_pool(self.engine.process_inputs, prompt, params)
+
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return await self._in_pool(lambda: self.tokenizer.encode(
+            text, add_special_tokens=add_special_tokens))
+
+    async def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return await self._in_pool(lambda: self.tokenizer.decode(
+            ids, skip_special_tokens=skip_special_tokens))
+
+    async def render_chat(self, messages: list[dict], add_generation_prompt: bool,
+                          continue_final_message: bool, chat_template: str | None) -> list[int]:
+        """The chat template applied and tokenized. Template errors are ValueErrors."""
+        def render():
+            tok = self.tokenizer
+            try:
+                text = tok.apply_chat_template(
+                    messages, tokenize=False, chat_template=chat_template,
+                    add_generation_prompt=add_generation_prompt and not continue_final_message,
+                    continue_final_message=continue_final_message)
+            except ImportError:
+                raise
+            except Exception as e:  # the template's own errors are the caller's input errors
+                raise ValueError(f"messages: the chat template failed: {e}") from None
+            return tok.encode(text, add_special_tokens=False)
+        return await self._in_pool(render)
+
     # requests
-    def submit(self, request_id: str, prompt, params: SamplingParams,
+    def submit(self, request_id: str, request: EngineRequest,
                priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Queue a request now (so admission control sees it at once) and return the stream
-        of its outputs; the request is aborted (its blocks freed) if the consumer stops early,
-        is cancelled, or never starts."""
+        """Queue a processed request now (so admission control sees it at once) and return
+        the stream of its outputs; the request is aborted (its blocks freed) if the consumer
+        stops early, is cancelled, or never starts."""
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
             if self.error is not None:
@@ -151,7 +224,7 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already in use")
             self._streams[request_id] = stream
-        self._inbox.put(("add", (request_id, prompt, params, priority)))
+        self._inbox.put(("add", (request_id, request, priority)))
         return self._outputs(request_id, stream)
 
     async def _outputs(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
@@ -170,15 +243,10 @@ class AsyncEngine:
             if not finished:
                 self.abort(request_id)
 
-    async def generate(self, request_id: str, prompt, params: SamplingParams,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
-        async for out in self.submit(request_id, prompt, params, priority):
-            yield out
-
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
 
     def num_waiting(self) -> int:
         """Requests queued in the engine plus those not yet handed to it."""
-        engine = self.engine
+        engine = self._engine
         return (engine.scheduler.num_waiting if engine is not None else 0) + self._inbox.qsize()

@@ -1,12 +1,16 @@
-"""Incremental detokenization and stop strings.
+"""Incremental detokenization and stop strings, at constant work per token.
 
-Text is decoded from a short window of previous tokens so that spaces and merges come out as
-the full decode would, and nothing is emitted while the window ends in an incomplete UTF-8
-sequence (the replacement character) — multi-byte characters and byte-fallback tokens appear
-whole. Until a request finishes, the last (longest stop string - 1) characters are held back,
-so a stream never shows the start of a stop string that is then withheld.
+With a fast tokenizer, the `tokenizers` library's DecodeStream turns each new token into the
+text it completes (one native call per token; it holds back incomplete UTF-8 sequences and
+byte-fallback pieces, and is primed with the prompt's last tokens so that spaces and merges
+come out as a full decode would). Other tokenizers decode a short window of recent tokens.
+Stop strings are searched only in the text near the new tokens. Until a request finishes, the
+last (longest stop string - 1) characters are held back, so a stream never shows the start of a
+stop string that is then withheld.
 """
 from __future__ import annotations
+
+PRIME_TOKENS = 6  # prompt tokens the decoder sees before the first output token
 
 
 class IncrementalDetokenizer:
@@ -16,42 +20,67 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.spaces_between_special_tokens = spaces_between_special_tokens
-        self.token_ids = list(prompt_token_ids)
-        self.prefix_offset = max(len(self.token_ids) - 5, 0)
-        self.read_offset = len(self.token_ids)
         self.output_text = ""
         self.stop = stop or []
         self.include_stop = include_stop_str_in_output
         self._max_stop = max((len(s) for s in self.stop), default=0)
         self.stopped = False
+        self.num_decode_calls = 0  # the cost: one per token on the fast path
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        # spaces_between_special_tokens only changes a slow tokenizer's decode
+        if backend is not None and spaces_between_special_tokens:
+            from tokenizers.decoders import DecodeStream
+            self._backend = backend
+            self._stream = DecodeStream(ids=list(prompt_token_ids[-PRIME_TOKENS:]) or None,
+                                        skip_special_tokens=skip_special_tokens)
+        else:
+            self._stream = None
+            # the window: tokens from prefix_offset on are decoded, those before read_offset
+            # are already text
+            self._window = list(prompt_token_ids[-PRIME_TOKENS:])
+            self._read = len(self._window)
 
-    def _decode(self, ids: list[int]) -> str:
-        kwargs = {}
-        if not self.spaces_between_special_tokens:
-            kwargs["spaces_between_special_tokens"] = False
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens, **kwargs)
+    def _next_text(self, token: int) -> str:
+        self.num_decode_calls += 1
+        if self._stream is not None:
+            return self._stream.step(self._backend, token) or ""
+        self._window.append(token)
+        kwargs = {} if self.spaces_between_special_tokens else {"spaces_between_special_tokens": False}
+        decode = self.tokenizer.decode
+        prefix = decode(self._window[:self._read], skip_special_tokens=self.skip_special_tokens, **kwargs)
+        full = decode(self._window, skip_special_tokens=self.skip_special_tokens, **kwargs)
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""  # an incomplete character: wait for the rest
+        self._window = self._window[self._read:]  # keep the window short
+        self._read = len(self._window)
+        return full[len(prefix):]
 
     def update(self, new_token_ids: list[int]) -> str | None:
         """Append tokens; returns the stop string matched, if any (text is then truncated)."""
         for tok in new_token_ids:
-            self.token_ids.append(tok)
-            prefix = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
-            full = self._decode(self.token_ids[self.prefix_offset:])
-            if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            text = self._next_text(tok)
+            if text:
                 before = len(self.output_text)
-                self.output_text += full[len(prefix):]
-                self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+                self.output_text += text
                 hit = self._check_stop(before)
                 if hit is not None:
                     self.stopped = True
                     return hit
         return None
 
-    def get_text(self, finished: bool) -> str:
-        """The text so far, less the tail that could still turn out to start a stop string."""
+    def visible_length(self, finished: bool) -> int:
+        """Characters that may be shown: all but the tail that could still start a stop string."""
+        n = len(self.output_text)
         if finished or self.stopped or self._max_stop <= 1:
-            return self.output_text
-        return self.output_text[:max(0, len(self.output_text) - (self._max_stop - 1))]
+            return n
+        return max(0, n - (self._max_stop - 1))
+
+    def get_text(self, finished: bool) -> str:
+        return self.output_text[:self.visible_length(finished)]
+
+    def text_since(self, offset: int, finished: bool) -> str:
+        """The visible text from `offset` on (what a delta output adds): O(its length)."""
+        return self.output_text[offset:self.visible_length(finished)]
 
     def _check_stop(self, new_from: int) -> str | None:
         if not self.stop:

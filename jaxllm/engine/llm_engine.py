@@ -1,11 +1,9 @@
 """LLMEngine: add_request / step / abort_request, as in vLLM."""
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import time
-from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -15,14 +13,15 @@ from jaxllm.config import EngineConfig
 from jaxllm.core.kv_cache_manager import KVCacheManager
 from jaxllm.core.request import Request, RequestStatus
 from jaxllm.core.scheduler import Scheduler
-from jaxllm.engine.detokenizer import IncrementalDetokenizer
-from jaxllm.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from jaxllm.runner.sampler import MAX_LOGPROBS
+from jaxllm.engine.input_processor import EngineRequest, InputProcessor
+from jaxllm.engine.output_processor import OutputProcessor
+from jaxllm.engine.outputs import RequestOutput
 from jaxllm.loader import load_model
 from jaxllm.parallel import make_mesh
 from jaxllm.parallel import multiprocess as mp
-from jaxllm.runner.model_runner import ModelRunner, kv_bytes_per_block
-from jaxllm.sampling_params import RequestOutputKind, SamplingParams
+from jaxllm.runner.model_runner import InFlight, ModelRunner, kv_bytes_per_block
+from jaxllm.core.scheduler import SchedulerOutput
+from jaxllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("jaxllm")
 
@@ -80,28 +79,6 @@ def resolve_dtype(name: str, platform: str):
     return jnp.dtype(name).type
 
 
-@dataclass
-class _Child:
-    """Engine-side view of one sequence: its detokenizer and the parent it reports to."""
-    request: Request
-    parent_id: str
-    index: int
-    detok: IncrementalDetokenizer | None
-    logprobs: list | None = None
-    cumulative_logprob: float = 0.0
-
-
-@dataclass
-class _Parent:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    children: list[str]
-    metrics: RequestMetrics
-    params: SamplingParams
-    prompt_logprobs: list | None = None
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         start = time.perf_counter()
@@ -148,17 +125,20 @@ class LLMEngine:
             secs = self.runner.compile_all()
             logger.info("compiled %d step shapes in %.1f s", len(self.runner.shapes.all), secs)
         self._rng = np.random.default_rng(config.seed)
-        self._children: dict[str, _Child] = {}
-        self._token_text: dict[int, str] = {}
-        self.num_prompt_tokens = 0       # prompt tokens computed (prefix-cache hits excluded)
-        self.num_generation_tokens = 0
+        self.inputs = InputProcessor(self.tokenizer, self.arch.vocab_size, config.max_model_len)
+        self.outputs = OutputProcessor(self.tokenizer)
+        # async scheduling: the step dispatched last, whose tokens the host has not read yet
+        self._in_flight: tuple[SchedulerOutput, InFlight | None] | None = None
+        # requests whose sampling needs every earlier token on the host (multi-token bad
+        # words): while one runs, steps do not overlap
+        self._needs_sync: set[str] = set()
         self.kv_slot_steps = 0            # memory accounting, summed over steps
         self.kv_waste_slot_steps = 0
         self.peak_running = 0
-        self._parents: dict[str, _Parent] = {}
         self.startup_seconds = time.perf_counter() - start
-        logger.info("engine ready in %.1f s (model %s, dtype %s, %s)", self.startup_seconds,
-                    loaded.path, jnp.dtype(self.dtype).name, platform)
+        logger.info("engine ready in %.1f s (model %s, dtype %s, %s, %s scheduling)",
+                    self.startup_seconds, loaded.path, jnp.dtype(self.dtype).name, platform,
+                    "async" if config.async_scheduling else "synchronous")
 
     def _num_blocks(self, platform: str, per_block: int, loaded) -> int:
         cfg = self.config
@@ -219,184 +199,121 @@ class LLMEngine:
         self.runner.stop_followers()
 
     # requests
-    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            if "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise ValueError("prompt dict needs 'prompt' or 'prompt_token_ids'")
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("text prompts need a tokenizer")
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, (int, np.integer)) for t in prompt):
-            return None, [int(t) for t in prompt]
-        raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
-
-    def validate_request(self, prompt, params: SamplingParams) -> tuple[str | None, list[int], SamplingParams]:
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-        text, ids = self._tokenize(prompt)
-        if not ids:
-            raise ValueError("prompt is empty: it must contain at least one token")
-        vocab = self.arch.vocab_size
-        if any(t < 0 or t >= vocab for t in ids):
-            raise ValueError(f"prompt contains token ids outside the vocabulary [0, {vocab})")
-        limit = self.config.max_model_len
-        if len(ids) >= limit:
-            raise ValueError(f"prompt is {len(ids)} tokens, but max_model_len is {limit}: "
-                             "no room to generate")
-        params.check_vocab(vocab)
-        for name in ("logprobs", "prompt_logprobs"):
-            k = getattr(params, name)
-            if k is not None and k > MAX_LOGPROBS:
-                raise ValueError(f"{name} must be at most {MAX_LOGPROBS}, got {k}")
-        if params.max_tokens is not None and len(ids) + params.max_tokens > limit:
-            raise ValueError(f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) "
-                             f"exceeds max_model_len ({limit})")
-        return text, ids, params
+    def process_inputs(self, prompt, params: SamplingParams | None = None) -> EngineRequest:
+        """Validate and tokenize once; add_request takes the result as its prompt. Safe to
+        call from another thread (the server does, off its event loop)."""
+        return self.inputs.process(prompt, params)
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0) -> None:
-        """Queue a request. `prompt` is a string, a list of token ids, or a dict with
-        "prompt" or "prompt_token_ids" (and optionally "cache_salt")."""
-        params = params or SamplingParams()
+        """Queue a request. `prompt` is a string, a list of token ids, a dict with "prompt"
+        or "prompt_token_ids" (and optionally "cache_salt"), or an EngineRequest."""
         if not isinstance(request_id, str):
             raise ValueError(f"request_id must be a string, got {type(request_id).__name__}")
-        if request_id in self._parents:
+        if request_id in self.outputs.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if not isinstance(priority, int) or (priority != 0 and self.config.scheduling_policy != "priority"):
             raise ValueError(f"priority={priority!r} needs scheduling_policy='priority'")
-        text, ids, params = self.validate_request(prompt, params)
-        cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise ValueError("cache_salt must be a string")
-        bad_word_ids = self._tokenize_bad_words(params.bad_words) if params.bad_words else None
+        req_in = self.process_inputs(prompt, params)
+        params = req_in.params
         arrival = time.time() if arrival_time is None else arrival_time
         num = params.num_sequences
         child_ids = [request_id] if num == 1 else [f"{i}_{request_id}" for i in range(num)]
-        taken = [c for c in child_ids if c in self._children or c in self.scheduler.requests]
+        taken = [c for c in child_ids if c in self.outputs.seqs or c in self.scheduler.requests]
         if taken:
             raise ValueError(f"request_id {request_id!r} collides with running sequence {taken[0]!r}")
-        reqs, children = [], {}
+        reqs = []
         for i, child_id in enumerate(child_ids):
             if params.seed is not None:
                 seed = (params.seed + i) & 0xFFFFFFFF
             else:
                 seed = int(self._rng.integers(0, 2**32))
-            req = Request(child_id, ids, params, self.eos_token_id, seed, arrival,
-                          priority=priority, cache_salt=cache_salt)
-            req.bad_word_ids = bad_word_ids
-            detok = None
-            if params.detokenize and self.tokenizer is not None:
-                detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens,
-                                               params.stop_strings, params.include_stop_str_in_output,
-                                               params.spaces_between_special_tokens)
-            children[child_id] = _Child(req, request_id, i, detok,
-                                        [] if params.logprobs is not None else None)
+            req = Request(child_id, req_in.prompt_token_ids, params, self.eos_token_id, seed,
+                          arrival, priority=priority, cache_salt=req_in.cache_salt,
+                          parent_id=request_id)
+            req.bad_word_ids = req_in.bad_word_ids
             reqs.append(req)
         # siblings of a parallel-sampling request start from the first one's prompt blocks
         self.scheduler.add_request(reqs[0], reqs[1:])
         # only once the scheduler has taken it: a refused request leaves nothing behind
-        self._children.update(children)
-        plp = [None] if params.prompt_logprobs is not None else None
-        self._parents[request_id] = _Parent(request_id, text, ids, child_ids,
-                                            RequestMetrics(arrival), params, plp)
-
-    def _tokenize_bad_words(self, words: list[str]) -> list[list[int]]:
-        """Each bad word as token ids, alone and after a space (as it appears mid-text)."""
-        if self.tokenizer is None:
-            raise ValueError("bad_words needs a tokenizer")
-        out = []
-        for word in words:
-            for text in (word.lstrip(), " " + word.lstrip()):
-                ids = self.tokenizer.encode(text, add_special_tokens=False)
-                if ids and ids not in out:
-                    out.append(ids)
-        return out
+        self.outputs.add(request_id, req_in.prompt, req_in.prompt_token_ids, params, reqs, arrival)
+        if any(len(w) > 1 for w in req_in.bad_word_ids or ()):
+            self._needs_sync.add(request_id)
 
     def token_text(self, token_id: int) -> str | None:
-        if self.tokenizer is None:
-            return None
-        text = self._token_text.get(token_id)
-        if text is None:
-            text = self._token_text[token_id] = self.tokenizer.decode([token_id])
-        return text
-
-    def _position_logprobs(self, token: int, lp) -> dict:
-        entry = {token: Logprob(lp.logprob, lp.rank, self.token_text(token))}
-        for rank, (tid, val) in enumerate(zip(lp.top_ids, lp.top_logprobs), start=1):
-            if tid not in entry:
-                entry[tid] = Logprob(val, rank, self.token_text(tid))
-        return entry
+        return self.outputs.token_text(token_id)
 
     def abort_request(self, request_id) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in ids:
-            parent = self._parents.pop(rid, None)
+            parent = self.outputs.remove(rid)
             if parent is None:
                 continue
-            self.scheduler.finish_requests(parent.children, RequestStatus.FINISHED_ABORTED)
-            for cid in parent.children:
-                self._children.pop(cid, None)
+            self._needs_sync.discard(rid)
+            self.scheduler.finish_requests([s.request.request_id for s in parent.seqs],
+                                           RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._parents)
+        # a step still in flight is work too: its results are collected by the next step()
+        return bool(self.outputs.parents) or self._in_flight is not None
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self._parents)
+        return len(self.outputs.parents)
+
+    def is_unfinished(self, request_id: str) -> bool:
+        return request_id in self.outputs.parents
 
     # one iteration
     def step(self) -> list[RequestOutput]:
+        """Schedule and dispatch one step; return the outputs of the step that finished.
+        With async scheduling the step dispatched here runs on the device while the host
+        reads the previous one's tokens and builds its outputs (and, in the next call,
+        schedules the step after); without it, each step is read before the next one."""
+        outputs = []
+        overlap = self.config.async_scheduling and not self._needs_sync
+        if self._in_flight is not None and not overlap:
+            outputs += self._finish_step(*self._in_flight)
+            self._in_flight = None
         out = self.scheduler.schedule()
         scheduled_at = time.time()
-        res = self.runner.execute_model(out)
-        now = time.time()
-        for rid, n in out.num_scheduled_tokens.items():
-            child = self._children.get(rid)
-            if child is not None:
-                req = child.request
-                self.num_prompt_tokens += max(0, min(req.num_computed_tokens + n, req.num_prompt_tokens)
-                                              - req.num_computed_tokens)
-                m = self._parents[child.parent_id].metrics
-                if m.first_scheduled_time is None:
-                    m.first_scheduled_time = scheduled_at
-        for rid, (start, entries) in res.prompt_logprobs.items():
-            self._add_prompt_logprobs(rid, start, entries)
-        updates = self.scheduler.update_from_output(out, res.sampled)
-        self.num_generation_tokens += len(updates)
+        for rid in out.num_scheduled_tokens:
+            parent = self.outputs.parent_of(rid)
+            if parent is not None and parent.metrics.first_scheduled_time is None:
+                parent.metrics.first_scheduled_time = scheduled_at
+        flight = self.runner.dispatch(out)
+        previous, self._in_flight = self._in_flight, (out, flight)
+        if previous is not None:
+            outputs += self._finish_step(*previous)
+        if not overlap or flight is None:
+            outputs += self._finish_step(*self._in_flight)
+            self._in_flight = None
         self._account_memory()
-        touched = {}
-        for upd in updates:
-            child = self._children[upd.request.request_id]
-            req = child.request
-            lp = res.logprobs.get(req.request_id)
-            if lp is not None:
-                child.cumulative_logprob += lp.logprob
-                if child.logprobs is not None:
-                    child.logprobs.append(self._position_logprobs(upd.new_token_ids[0], lp))
-            if child.detok is not None:
-                hit = child.detok.update(upd.new_token_ids)
-                if hit is not None:
-                    req.stop_reason = hit
-                    if req.status.finished:  # the same token hit a length limit: the stop wins
-                        req.status = RequestStatus.FINISHED_STOPPED
-                    else:
-                        self.scheduler.finish_requests(req.request_id, RequestStatus.FINISHED_STOPPED)
-            m = self._parents[child.parent_id].metrics
-            m.first_token_time = m.first_token_time or now
-            m.last_token_time = now
-            touched[child.parent_id] = None
-        return [self._make_output(pid) for pid in touched if self._wants_output(pid)]
+        return outputs
 
-    def _wants_output(self, parent_id: str) -> bool:
-        """FINAL_ONLY requests get their one output when every child has finished (building
-        every request's output each step costs the host more than the step at large batch)."""
-        parent = self._parents[parent_id]
-        return (parent.params.output_kind is not RequestOutputKind.FINAL_ONLY
-                or all(self._children[c].request.status.finished for c in parent.children))
+    def _finish_step(self, out: SchedulerOutput, flight: InFlight | None) -> list[RequestOutput]:
+        """Read a dispatched step's results and turn them into request updates and outputs."""
+        res = self.runner.collect(flight)
+        now = time.time()
+        for rid, (start, entries) in res.prompt_logprobs.items():
+            self.outputs.add_prompt_logprobs(rid, start, entries)
+        touched = {}
+        for upd in self.scheduler.update_from_output(out, res.sampled):
+            req = upd.request
+            pid = self.outputs.update(req, upd.new_token_ids, res.logprobs.get(req.request_id),
+                                      now, self._finish_stopped)
+            touched[pid] = None
+        outputs = self.outputs.make_outputs(touched)
+        for o in outputs:
+            if o.finished:
+                self._needs_sync.discard(o.request_id)
+        return outputs
+
+    def _finish_stopped(self, req: Request) -> None:
+        """A stop string ended the sequence (the detokenizer found it)."""
+        if req.status.finished:  # the same token hit a length limit: the stop wins
+            req.status = RequestStatus.FINISHED_STOPPED
+        else:
+            self.scheduler.finish_requests(req.request_id, RequestStatus.FINISHED_STOPPED)
 
     def _account_memory(self) -> None:
         """KV slots held by running requests against slots holding a token, once per step.
@@ -422,53 +339,6 @@ class LLMEngine:
                 "static_prealloc_seqs": total // self.config.max_model_len,
                 "max_model_len": self.config.max_model_len}
 
-    def _add_prompt_logprobs(self, rid: str, start: int, entries) -> None:
-        child = self._children.get(rid)
-        if child is None:
-            return
-        plp = self._parents[child.parent_id].prompt_logprobs
-        ids = self._parents[child.parent_id].prompt_token_ids
-        for j, lp in enumerate(entries):
-            pos = start + j + 1  # the entry of position p scores prompt token p + 1
-            if pos == len(plp):  # a recomputed prompt (after preemption) adds nothing twice
-                plp.append(self._position_logprobs(ids[pos], lp))
-
-    def _make_output(self, parent_id: str) -> RequestOutput:
-        parent = self._parents[parent_id]
-        params = parent.params
-        cached = max(self._children[parent.children[0]].request.num_cached_tokens, 0)
-        outputs = []
-        finished = True
-        for cid in parent.children:
-            child = self._children[cid]
-            req = child.request
-            done = req.status.finished
-            text = child.detok.get_text(done) if child.detok is not None else ""
-            finished &= done
-            parent.metrics.num_preemptions = max(parent.metrics.num_preemptions, req.num_preemptions)
-            outputs.append(CompletionOutput(
-                child.index, text, list(req.output_token_ids),
-                child.cumulative_logprob if params.logprobs is not None or params.best_of else None,
-                list(child.logprobs) if child.logprobs is not None else None,
-                req.finish_reason if done else None, req.stop_reason))
-        if finished:
-            parent.metrics.finished_time = time.time()
-            del self._parents[parent_id]
-            for cid in parent.children:
-                del self._children[cid]
-            if params.best_of and params.best_of > params.n:
-                # the n most likely of best_of sequences
-                outputs = sorted(outputs, key=lambda o: -o.cumulative_logprob)[:params.n]
-                for i, o in enumerate(outputs):
-                    o.index = i
-                    if params.logprobs is None:
-                        o.cumulative_logprob = None
-        elif params.best_of and params.best_of > params.n:
-            outputs = outputs[:params.n]  # streamed: the choice is made at the end
-        return RequestOutput(parent_id, parent.prompt, parent.prompt_token_ids, outputs, finished,
-                             dataclasses.replace(parent.metrics), cached,
-                             list(parent.prompt_logprobs) if parent.prompt_logprobs is not None else None)
-
     # introspection
     @property
     def num_preemptions(self) -> int:
@@ -488,8 +358,8 @@ class LLMEngine:
             "num_swaps": sched.num_swaps,
             "prefix_cache_queries": kv.prefix_queries,
             "prefix_cache_hits": kv.prefix_hits,
-            "prompt_tokens": self.num_prompt_tokens,
-            "generation_tokens": self.num_generation_tokens,
+            "prompt_tokens": sched.num_prompt_tokens,
+            "generation_tokens": sched.num_generation_tokens,
             "kv_slot_steps": self.kv_slot_steps,
             "kv_waste_slot_steps": self.kv_waste_slot_steps,
             "peak_running": self.peak_running,

@@ -52,7 +52,6 @@ class LoadedModel:
     state: Any
     tokenizer: Any
     eos_token_id: int | None
-    is_gguf: bool
     mesh: Any = None
 
 
@@ -204,4 +203,4 @@ def load_model(model: str | None, dtype, load_format: str = "auto", seed: int = 
         eos = tok.eos_token_id
     logger.info("loaded %s (%s, %d layers) from %s", arch.architecture, jnp.dtype(dtype).name,
                 arch.num_layers, path)
-    return LoadedModel(path, arch, graphdef, state, tok, eos, gguf_file is not None, mesh)
+    return LoadedModel(path, arch, graphdef, state, tok, eos, mesh)

@@ -41,7 +41,6 @@ class Channel:
         from jax.experimental import multihost_utils
         self._broadcast = multihost_utils.broadcast_one_to_all
         self.is_leader = jax.process_index() == 0
-        self.active = jax.process_count() > 1
 
     def announce(self, op: int, a: int = 0, b: int = 0) -> tuple[int, int, int]:
         header = np.array([op, a, b, 0], np.int32) if self.is_leader else np.zeros(_HEADER, np.int32)

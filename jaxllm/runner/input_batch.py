@@ -33,15 +33,17 @@ class InputBatch:
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.token_ids = np.zeros((max_num_seqs, max_model_len), np.int32)
-        self.num_tokens = np.zeros(max_num_seqs, np.int32)
+        self.num_tokens = np.zeros(max_num_seqs, np.int32)  # the tokens the host knows
         self.num_prompt_tokens = np.zeros(max_num_seqs, np.int32)
-        self.num_computed_tokens = np.zeros(max_num_seqs, np.int32)
         self.block_table = np.full((max_num_seqs, max_blocks_per_seq), NULL_BLOCK, np.int32)
         self.num_blocks = np.zeros(max_num_seqs, np.int32)
         self.cols = {name: np.full(max_num_seqs, fill, dtype) for name, (dtype, fill) in COLUMNS.items()}
         self.bad_words: list[list[list[int]] | None] = [None] * max_num_seqs  # multi-token only
         self.row_of: dict[str, int] = {}
-        self.req_id_of: list[str | None] = [None] * max_num_seqs
+        # which request holds a row: a step's results for an earlier holder (finished while the
+        # step ran, its id perhaps reused since) must not land in it
+        self.serial = np.zeros(max_num_seqs, np.int64)
+        self._next_serial = 0
         # lowest rows first, so that live rows stay packed at the front
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
 
@@ -49,7 +51,7 @@ class InputBatch:
         return len(self.row_of)
 
     def add(self, req_id: str, token_ids: list[int], num_prompt_tokens: int,
-            block_ids: list[int], num_computed_tokens: int, params, seed: int,
+            block_ids: list[int], params, seed: int,
             bad_word_ids: list[list[int]] | None = None) -> int:
         if req_id in self.row_of:
             raise RuntimeError(f"request {req_id!r} already has a row")
@@ -58,7 +60,6 @@ class InputBatch:
         self.token_ids[row, :n] = token_ids
         self.num_tokens[row] = n
         self.num_prompt_tokens[row] = num_prompt_tokens
-        self.num_computed_tokens[row] = num_computed_tokens
         self.num_blocks[row] = 0
         self.block_table[row] = NULL_BLOCK
         self.append_blocks(row, block_ids)
@@ -76,14 +77,14 @@ class InputBatch:
         multi = [w for w in (bad_word_ids or []) if len(w) > 1]
         self.bad_words[row] = multi or None
         self.row_of[req_id] = row
-        self.req_id_of[row] = req_id
+        self._next_serial += 1
+        self.serial[row] = self._next_serial
         return row
 
     def remove(self, req_id: str) -> int | None:
         row = self.row_of.pop(req_id, None)
         if row is None:
             return None
-        self.req_id_of[row] = None
         self.bad_words[row] = None
         for name, (_, fill) in COLUMNS.items():
             self.cols[name][row] = fill
@@ -98,10 +99,10 @@ class InputBatch:
         self.block_table[row, start:start + len(block_ids)] = block_ids
         self.num_blocks[row] = start + len(block_ids)
 
-    def append_token(self, row: int, token: int) -> None:
-        n = self.num_tokens[row]
-        self.token_ids[row, n] = token
-        self.num_tokens[row] = n + 1
+    def set_token(self, row: int, pos: int, token: int) -> None:
+        """The token at `pos` is known now (tokens arrive in order)."""
+        self.token_ids[row, pos] = token
+        self.num_tokens[row] = pos + 1
 
     def banned_tokens(self, row: int) -> list[int]:
         """Last tokens of multi-token bad words whose other tokens end the output so far."""

@@ -27,6 +27,7 @@ from jaxllm.parallel import multiprocess as mp
 from jaxllm.runner.block_ops import BlockOps
 from jaxllm.runner.buckets import StepShapes, make_buckets
 from jaxllm.runner.input_batch import COLUMNS, InputBatch
+from jaxllm.sampling_params import GREEDY_EPS
 from jaxllm.runner.sampler import (MAX_BANNED, MAX_LOGPROBS, SamplerOutput, SamplingMetadata,
                                    init_state, prompt_logprobs, sample, set_rows)
 
@@ -99,8 +100,10 @@ class Logprobs:
 
 @dataclass
 class RunnerOutput:
-    sampled: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, Logprobs] = field(default_factory=dict)
+    """What one step produced: per sampling request, its new tokens (0..k of them) and, when
+    asked for, one Logprobs per token."""
+    sampled: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[Logprobs]] = field(default_factory=dict)
     # requests computing prompt tokens that asked for them: (position of the first entry,
     # entries); the entry of position p scores prompt token p + 1
     prompt_logprobs: dict[str, tuple[int, list[Logprobs]]] = field(default_factory=dict)
@@ -117,10 +120,14 @@ def _host(x) -> np.ndarray:
 def build_step(graphdef, vocab: int, state_sharding, kv_sharding, replicated):
     """The one jitted engine step: the model over the flat batch, the logits of the rows that
     sample, sampling, and prompt logprobs when asked for. The cache and sampler state are
-    donated."""
+    donated; the sampled tokens also stay in the sampler state for the next step."""
 
     def step(state, kv_cache, sampler_state, input_ids, md, logits_indices, smd):
         model = nnx.merge(graphdef, state)
+        # -1: the token the previous step sampled for this row, which the host does not know
+        # yet (async scheduling); it waits on the device
+        from_device = sampler_state.last_token[smd.rows[md.token_seq_ids]]
+        input_ids = jnp.where(input_ids < 0, from_device, input_ids)
         hidden, kv_cache = model(kv_cache, input_ids, md)
         logits = model.compute_logits(hidden[logits_indices])
         (tokens, lp, rank, top_ids, top_lp), sampler_state = sample(logits, smd, sampler_state)
@@ -257,13 +264,11 @@ class ModelRunner:
         for new in out.scheduled_new_reqs:
             p = new.sampling_params
             row = batch.add(new.req_id, new.token_ids, new.num_prompt_tokens, new.block_ids,
-                            new.num_computed_tokens, p, new.seed, new.bad_word_ids)
+                            p, new.seed, new.bad_word_ids)
             if p.has_penalties or p.has_bias or p.min_tokens > 0:
                 self._pending_rows.append((row, new))
         for cached in out.scheduled_cached_reqs:
-            row = batch.row_of[cached.req_id]
-            batch.append_blocks(row, cached.new_block_ids)
-            batch.num_computed_tokens[row] = cached.num_computed_tokens
+            batch.append_blocks(batch.row_of[cached.req_id], cached.new_block_ids)
         if self._pending_rows:
             self._init_sampler_rows()
 
@@ -363,24 +368,32 @@ class ModelRunner:
             self.channel = None
 
     def _prepare(self, out: SchedulerOutput, req_ids: list[str]):
-        """Padded numpy inputs of one step, vectorised over persistent-batch rows."""
+        """Padded numpy inputs of one step, vectorised over persistent-batch rows. Positions
+        and which rows sample come from the scheduler; a token the host does not know yet
+        (sampled by the step still in flight) is -1, taken from the device."""
         batch = self.batch
         rows = np.fromiter((batch.row_of[r] for r in req_ids), np.int32, len(req_ids))
         n = np.fromiter((out.num_scheduled_tokens[r] for r in req_ids), np.int32, len(req_ids))
-        starts = batch.num_computed_tokens[rows]
+        start_of = {d.req_id: d.num_computed_tokens for d in out.scheduled_new_reqs}
+        start_of.update((d.req_id, d.num_computed_tokens) for d in out.scheduled_cached_reqs)
+        starts = np.fromiter((start_of[r] for r in req_ids), np.int32, len(req_ids))
+        final = np.fromiter((r in out.sampling_req_ids for r in req_ids), np.bool_, len(req_ids))
         S_real, T_real = len(req_ids), int(n.sum())
         T, S = self.shapes.pick(T_real, S_real)
         md = attention_metadata(starts, n, batch.block_table[rows], T, S, self.block_size,
                                 self.q_tile(T))
         tok_rows = rows[md.token_seq_ids[:T_real]]
+        pos = md.positions[:T_real]
         input_ids = np.zeros(T, np.int32)
-        input_ids[:T_real] = batch.token_ids[tok_rows, md.positions[:T_real]]
+        known = pos < batch.num_tokens[tok_rows]
+        input_ids[:T_real] = np.where(known, batch.token_ids[tok_rows, np.where(known, pos, 0)], -1)
         logits_idx = np.zeros(S, np.int32)
         logits_idx[:S_real] = md.query_start_loc[1:S_real + 1] - 1
-        return rows, n, (T, S), (input_ids, md, logits_idx,
-                                 self._sampling_metadata(rows, n, starts, md, T, S))
+        smd = self._sampling_metadata(rows, n, starts, final, md, T, S)
+        step = _Step(req_ids, rows, batch.serial[rows].copy(), starts, n, final)
+        return step, (T, S), (input_ids, md, logits_idx, smd)
 
-    def _sampling_metadata(self, rows, n, starts, md, T: int, S: int) -> SamplingMetadata:
+    def _sampling_metadata(self, rows, n, starts, final, md, T: int, S: int) -> SamplingMetadata:
         batch, c = self.batch, self.batch.cols
         S_real, T_real = len(rows), int(n.sum())
 
@@ -393,10 +406,11 @@ class ModelRunner:
         cols = {name: col(name) for name in COLUMNS}
         pad_rows = np.full(S, self.max_num_seqs, np.int32)
         pad_rows[:S_real] = rows
+        # the output index of the token each row samples: its seed stream's position
         gen_index = np.zeros(S, np.int32)
-        gen_index[:S_real] = batch.num_tokens[rows] - batch.num_prompt_tokens[rows]
+        gen_index[:S_real] = starts + n - batch.num_prompt_tokens[rows]
         is_final = np.zeros(S, np.bool_)
-        is_final[:S_real] = starts + n >= batch.num_tokens[rows]
+        is_final[:S_real] = final
         banned = np.full((S, MAX_BANNED), -1, np.int32)
         any_banned = False
         for i, row in enumerate(rows):
@@ -413,7 +427,7 @@ class ModelRunner:
             nxt = np.minimum(pos + 1, self.max_model_len - 1)
             in_prompt = pos + 1 < batch.num_prompt_tokens[tok_rows]
             next_ids[:T_real] = np.where(in_prompt, batch.token_ids[tok_rows, nxt], -1)
-        random = cols["temperature"] >= 1e-5
+        random = cols["temperature"] >= GREEDY_EPS
         return SamplingMetadata(
             cols["temperature"], cols["top_k"], cols["top_p"], cols["min_p"], cols["seed"],
             gen_index, pad_rows, is_final, cols["repetition_penalty"], cols["frequency_penalty"],
@@ -425,7 +439,9 @@ class ModelRunner:
             np.bool_(cols["has_bias"].any()), np.bool_((cols["min_tokens"] > gen_index).any()),
             np.bool_(any_banned), np.bool_((cols["num_logprobs"] >= 0).any()), np.bool_(any_plp))
 
-    def execute_model(self, out: SchedulerOutput) -> RunnerOutput:
+    def dispatch(self, out: SchedulerOutput) -> "InFlight | None":
+        """Start a step on the device and return at once (JAX dispatches asynchronously); its
+        results are read by collect(). Block moves and row updates happen first."""
         if out.has_block_ops:
             # swap-outs first: their device blocks may be handed out again in this very step
             ops = self.block_ops
@@ -433,52 +449,80 @@ class ModelRunner:
             self.kv_cache = ops.swap_in(self.kv_cache, out.blocks_to_swap_in)
             self._copy_blocks(out.blocks_to_copy)
         self._update_states(out)
-        result = RunnerOutput()
         if out.is_empty:
-            return result
-        req_ids = list(out.num_scheduled_tokens)
-        rows, n, shape, inputs = self._prepare(out, req_ids)
+            return None
+        step, shape, inputs = self._prepare(out, list(out.num_scheduled_tokens))
         smd = inputs[-1]
         res = self._run_step(shape, inputs)
+        self.num_steps += 1
+        return InFlight(step, res, bool(smd.any_logprobs), bool(smd.any_prompt_logprobs))
+
+    def collect(self, flight: "InFlight | None") -> RunnerOutput:
+        """Wait for a dispatched step and bring its tokens (and logprobs) to the host. The
+        sampled tokens also go into the rows of requests still in the batch."""
+        result = RunnerOutput()
+        if flight is None:
+            return result
+        st, res = flight.step, flight.result
         t = time.perf_counter()
         tokens = _host(res.tokens)  # waits for the device
         self.device_wait_seconds += time.perf_counter() - t
-        self.num_steps += 1
         batch, cols = self.batch, self.batch.cols
-        want_lp = bool(smd.any_logprobs)
-        if want_lp:
+        if flight.want_logprobs:
             lp, rank, top_ids, top_lp = (_host(x) for x in (res.logprobs, res.ranks,
                                                             res.top_ids, res.top_logprobs))
-        starts = batch.num_computed_tokens[rows].copy()
-        for i, rid in enumerate(req_ids):
-            row = rows[i]
-            batch.num_computed_tokens[row] += n[i]
-            if batch.num_computed_tokens[row] >= batch.num_tokens[row]:
-                tok = int(tokens[i])
-                batch.append_token(row, tok)
-                result.sampled[rid] = tok
+        held = batch.serial[st.rows] == st.serials
+        for i in np.nonzero(st.final)[0]:
+            rid, row, tok = st.req_ids[i], st.rows[i], int(tokens[i])
+            result.sampled[rid] = [tok]
+            # a row given to another request meanwhile (finished, preempted) keeps its tokens
+            if held[i]:
+                batch.set_token(row, st.starts[i] + st.n[i], tok)
                 k = int(cols["num_logprobs"][row])
-                if want_lp and k >= 0:
-                    result.logprobs[rid] = Logprobs(float(lp[i]), int(rank[i]),
-                                                    top_ids[i, :k].tolist(), top_lp[i, :k].tolist())
-        if bool(smd.any_prompt_logprobs):
-            self._collect_prompt_logprobs(res, req_ids, rows, n, starts, result)
+                if flight.want_logprobs and k >= 0:
+                    result.logprobs[rid] = [Logprobs(float(lp[i]), int(rank[i]),
+                                                     top_ids[i, :k].tolist(), top_lp[i, :k].tolist())]
+        if flight.want_prompt_logprobs:
+            self._collect_prompt_logprobs(res, st, result)
         return result
 
-    def _collect_prompt_logprobs(self, res, req_ids, rows, n, starts, result) -> None:
+    def execute_model(self, out: SchedulerOutput) -> RunnerOutput:
+        """One step, synchronously."""
+        return self.collect(self.dispatch(out))
+
+    def _collect_prompt_logprobs(self, res, st: "_Step", result: RunnerOutput) -> None:
         plp, prank, pids, ptop = (_host(x) for x in (res.prompt_logprobs, res.prompt_ranks,
                                                     res.prompt_top_ids, res.prompt_top_logprobs))
         batch, offset = self.batch, 0
-        for i, rid in enumerate(req_ids):
-            row, k = rows[i], int(batch.cols["num_prompt_logprobs"][rows[i]])
-            if k >= 0:
+        held = batch.serial[st.rows] == st.serials
+        for i, rid in enumerate(st.req_ids):
+            row, n = st.rows[i], int(st.n[i])
+            if held[i] and (k := int(batch.cols["num_prompt_logprobs"][row])) >= 0:
                 entries = []
-                for t in range(offset, offset + n[i]):
-                    pos = starts[i] + t - offset
+                for t in range(offset, offset + n):
+                    pos = st.starts[i] + t - offset
                     if pos + 1 < batch.num_prompt_tokens[row]:
                         entries.append(Logprobs(float(plp[t]), int(prank[t]), pids[t, :k].tolist(),
                                                 ptop[t, :k].tolist()))
                 if entries:
-                    result.prompt_logprobs[rid] = (int(starts[i]), entries)
-            offset += n[i]
+                    result.prompt_logprobs[rid] = (int(st.starts[i]), entries)
+            offset += n
 
+
+@dataclass
+class _Step:
+    """The host's record of a dispatched step: which request each row of its outputs is."""
+    req_ids: list[str]
+    rows: np.ndarray
+    serials: np.ndarray  # who held each row when the step was dispatched
+    starts: np.ndarray
+    n: np.ndarray
+    final: np.ndarray  # the rows that sample
+
+
+@dataclass
+class InFlight:
+    step: _Step
+    result: SamplerOutput
+    want_logprobs: bool
+    want_prompt_logprobs: bool

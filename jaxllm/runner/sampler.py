@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-GREEDY_EPS = 1e-5
-MAX_LOGPROBS = 20   # top logprobs a request may ask for (vLLM's max_logprobs)
+from jaxllm.sampling_params import GREEDY_EPS, MAX_LOGPROBS
+
 MAX_BANNED = 16     # tokens banned per row and step by multi-token bad words
 PROMPT_LP_CHUNK = 256
 _NEG_INF = -jnp.inf
@@ -60,6 +60,8 @@ class SamplerState:
     prompt_mask: jax.Array  # [R+1, V] bool tokens of the prompt
     bias: jax.Array         # [R+1, V] f32 logit bias, -inf outside allowed_token_ids / on bad words
     stop_mask: jax.Array    # [R+1, V] bool EOS and stop ids, masked until min_tokens
+    last_token: jax.Array   # [R+1] i32 each row's last sampled token: the next step's input
+                            # while the host does not know it yet (async scheduling)
 
 
 @jax.tree_util.register_dataclass
@@ -80,7 +82,8 @@ def init_state(rows: int, vocab: int) -> SamplerState:
     return SamplerState(jnp.zeros((rows + 1, vocab), jnp.int32),
                         jnp.zeros((rows + 1, vocab), jnp.bool_),
                         jnp.zeros((rows + 1, vocab), jnp.float32),
-                        jnp.zeros((rows + 1, vocab), jnp.bool_))
+                        jnp.zeros((rows + 1, vocab), jnp.bool_),
+                        jnp.zeros(rows + 1, jnp.int32))
 
 
 def set_rows(state: SamplerState, rows, tokens, num_prompt, num_tokens, bias, stop_mask) -> SamplerState:
@@ -96,7 +99,7 @@ def set_rows(state: SamplerState, rows, tokens, num_prompt, num_tokens, bias, st
     in_prompt = jnp.where(is_prompt, tokens, V)  # out of range: dropped
     pmask = state.prompt_mask.at[rows].set(False).at[r, in_prompt].set(True, mode="drop")
     return SamplerState(counts, pmask, state.bias.at[rows].set(bias),
-                        state.stop_mask.at[rows].set(stop_mask))
+                        state.stop_mask.at[rows].set(stop_mask), state.last_token)
 
 
 def apply_penalties(logits, counts, prompt_mask, rep, freq, pres):
@@ -189,7 +192,9 @@ def sample(logits: jax.Array, md: SamplingMetadata, state: SamplerState):
              jnp.zeros((S, k), jnp.float32))
     lp, rank, top_ids, top_lp = jax.lax.cond(md.any_logprobs, stats, lambda _: zeros, raw)
     counts = state.out_counts.at[md.rows, tokens].add(md.is_final.astype(jnp.int32))
-    state = SamplerState(counts, state.prompt_mask, state.bias, state.stop_mask)
+    spare = state.last_token.shape[0] - 1
+    last = state.last_token.at[jnp.where(md.is_final, md.rows, spare)].set(tokens)
+    state = SamplerState(counts, state.prompt_mask, state.bias, state.stop_mask, last)
     return (tokens, lp, rank, top_ids, top_lp), state
 
 

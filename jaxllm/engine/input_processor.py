@@ -1,0 +1,101 @@
+"""Input processing: a prompt and its SamplingParams become an EngineRequest, validated and
+tokenized once. LLM.generate does it before anything runs (bad input is refused up front);
+the server does it in a thread pool, off the event loop; LLMEngine.add_request takes either
+raw prompts or an EngineRequest, which it never tokenizes again."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from jaxllm.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
+
+
+@dataclass
+class EngineRequest:
+    prompt: str | None            # the text, when the prompt was text
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    cache_salt: str | None = None
+    bad_word_ids: list[list[int]] | None = None  # SamplingParams.bad_words, tokenized
+
+
+class InputProcessor:
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+
+    def tokenize(self, prompt) -> tuple[str | None, list[int], str | None]:
+        """(text, token ids, cache_salt) of a string, a list of token ids, or a dict with
+        "prompt" or "prompt_token_ids" (and optionally "cache_salt")."""
+        salt = None
+        if isinstance(prompt, dict):
+            salt = prompt.get("cache_salt")
+            if salt is not None and not isinstance(salt, str):
+                raise ValueError("cache_salt must be a string")
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, (list, tuple)) or not all(
+                        isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in ids):
+                    raise ValueError("prompt_token_ids must be a list of integers")
+                return prompt.get("prompt"), [int(t) for t in ids], salt
+            if "prompt" not in prompt:
+                raise ValueError("prompt dict needs 'prompt' or 'prompt_token_ids'")
+            prompt = prompt["prompt"]
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer")
+            try:
+                return prompt, self.tokenizer.encode(prompt, add_special_tokens=True), salt
+            except (TypeError, UnicodeEncodeError) as e:  # e.g. a lone surrogate
+                raise ValueError(f"prompt is not valid text: {e}") from None
+        if isinstance(prompt, (list, tuple)) and all(
+                isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt):
+            return None, [int(t) for t in prompt], salt
+        raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def process(self, prompt, params: SamplingParams | None = None) -> EngineRequest:
+        if isinstance(prompt, EngineRequest):
+            return prompt
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        text, ids, salt = self.tokenize(prompt)
+        self.check(ids, params)
+        bad = self._tokenize_bad_words(params.bad_words) if params.bad_words else None
+        return EngineRequest(text, ids, params, salt, bad)
+
+    def check(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise ValueError("prompt is empty: it must contain at least one token")
+        vocab = self.vocab_size
+        if any(t < 0 or t >= vocab for t in ids):
+            raise ValueError(f"prompt contains token ids outside the vocabulary [0, {vocab})")
+        limit = self.max_model_len
+        if len(ids) >= limit:
+            raise ValueError(f"prompt is {len(ids)} tokens, but max_model_len is {limit}: "
+                             "no room to generate")
+        params.check_vocab(vocab)
+        if params.output_kind is RequestOutputKind.DELTA and (params.best_of or params.n) > params.n:
+            raise ValueError("best_of > n cannot be streamed (DELTA outputs): the best n are "
+                             "known only at the end")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > MAX_LOGPROBS:
+                raise ValueError(f"{name} must be at most {MAX_LOGPROBS}, got {k}")
+        if params.max_tokens is not None and len(ids) + params.max_tokens > limit:
+            raise ValueError(f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) "
+                             f"exceeds max_model_len ({limit})")
+
+    def _tokenize_bad_words(self, words: list[str]) -> list[list[int]]:
+        """Each bad word as token ids, alone and after a space (as it appears mid-text)."""
+        if self.tokenizer is None:
+            raise ValueError("bad_words needs a tokenizer")
+        out = []
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
