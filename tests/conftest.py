@@ -55,12 +55,12 @@ TINY_VARIANTS = {
 
 
 def make_tiny_checkpoint(path, variant: str, tokenizer_dir: str | None = None,
-                         max_shard_size: str | None = None, seed: int = 0):
+                         max_shard_size: str | None = None, seed: int = 0, **config_over):
     import torch
     import transformers
 
     arch, over = TINY_VARIANTS[variant]
-    config = _tiny_config(arch, **over)
+    config = _tiny_config(arch, **over, **config_over)
     torch.manual_seed(seed)
     model = getattr(transformers, arch)(config).to(torch.float32).eval()
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}

@@ -166,13 +166,17 @@ class Scheduler:
         if copy is not None:
             self.kv.release_copy_source(copy[0])
 
-    def _free(self, req: Request, status: RequestStatus) -> None:
-        self._drop_copy(req)
-        # siblings still waiting for this request's prompt now compute it themselves
+    def _release_forks(self, req: Request) -> None:
+        """Siblings still waiting for this request's prompt blocks compute the prompt
+        themselves."""
         for sib in req.forks:
             if self._held.pop(sib.request_id, None) is not None:
                 self._enqueue(sib, front=True)
         req.forks = []
+
+    def _free(self, req: Request, status: RequestStatus) -> None:
+        self._drop_copy(req)
+        self._release_forks(req)
         req.status = status
         self.kv.free(req)
         del self.requests[req.request_id]
@@ -243,6 +247,8 @@ class Scheduler:
                 break  # its last token is still in flight: the host must know it first
             if req.status == RequestStatus.SWAPPED:
                 num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+                if num_new < 1:  # its next token must exist on the host: it would sample nothing
+                    raise RuntimeError(f"{req!r} was swapped out without its last token")
                 got = self.kv.swap_in(req, num_new)
                 if got is None:
                     break
@@ -346,7 +352,10 @@ class Scheduler:
                 continue
             req.num_output_placeholders -= 1
             if req.forks:
-                self._fork(req)
+                if req.status == RequestStatus.RUNNING:
+                    self._fork(req)
+                else:  # preempted while its prompt step ran: its blocks are gone
+                    self._release_forks(req)
             new = []
             for token in sampled.get(rid, ()):
                 req.append_output_token(token)

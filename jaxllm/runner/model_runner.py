@@ -390,7 +390,10 @@ class ModelRunner:
         logits_idx = np.zeros(S, np.int32)
         logits_idx[:S_real] = md.query_start_loc[1:S_real + 1] - 1
         smd = self._sampling_metadata(rows, n, starts, final, md, T, S)
-        step = _Step(req_ids, rows, batch.serial[rows].copy(), starts, n, final)
+        c = batch.cols
+        step = _Step(req_ids, rows, batch.serial[rows].copy(), starts, n, final,
+                     c["num_logprobs"][rows].copy(), c["num_prompt_logprobs"][rows].copy(),
+                     batch.num_prompt_tokens[rows].copy())
         return step, (T, S), (input_ids, md, logits_idx, smd)
 
     def _sampling_metadata(self, rows, n, starts, final, md, T: int, S: int) -> SamplingMetadata:
@@ -467,21 +470,21 @@ class ModelRunner:
         t = time.perf_counter()
         tokens = _host(res.tokens)  # waits for the device
         self.device_wait_seconds += time.perf_counter() - t
-        batch, cols = self.batch, self.batch.cols
+        batch = self.batch
         if flight.want_logprobs:
             lp, rank, top_ids, top_lp = (_host(x) for x in (res.logprobs, res.ranks,
                                                             res.top_ids, res.top_logprobs))
         held = batch.serial[st.rows] == st.serials
         for i in np.nonzero(st.final)[0]:
-            rid, row, tok = st.req_ids[i], st.rows[i], int(tokens[i])
+            rid, tok = st.req_ids[i], int(tokens[i])
             result.sampled[rid] = [tok]
             # a row given to another request meanwhile (finished, preempted) keeps its tokens
             if held[i]:
-                batch.set_token(row, st.starts[i] + st.n[i], tok)
-                k = int(cols["num_logprobs"][row])
-                if flight.want_logprobs and k >= 0:
-                    result.logprobs[rid] = [Logprobs(float(lp[i]), int(rank[i]),
-                                                     top_ids[i, :k].tolist(), top_lp[i, :k].tolist())]
+                batch.set_token(st.rows[i], st.starts[i] + st.n[i], tok)
+            k = int(st.num_logprobs[i])
+            if flight.want_logprobs and k >= 0:
+                result.logprobs[rid] = [Logprobs(float(lp[i]), int(rank[i]),
+                                                 top_ids[i, :k].tolist(), top_lp[i, :k].tolist())]
         if flight.want_prompt_logprobs:
             self._collect_prompt_logprobs(res, st, result)
         return result
@@ -493,15 +496,14 @@ class ModelRunner:
     def _collect_prompt_logprobs(self, res, st: "_Step", result: RunnerOutput) -> None:
         plp, prank, pids, ptop = (_host(x) for x in (res.prompt_logprobs, res.prompt_ranks,
                                                     res.prompt_top_ids, res.prompt_top_logprobs))
-        batch, offset = self.batch, 0
-        held = batch.serial[st.rows] == st.serials
+        offset = 0
         for i, rid in enumerate(st.req_ids):
-            row, n = st.rows[i], int(st.n[i])
-            if held[i] and (k := int(batch.cols["num_prompt_logprobs"][row])) >= 0:
+            n, k = int(st.n[i]), int(st.num_prompt_logprobs[i])
+            if k >= 0:
                 entries = []
                 for t in range(offset, offset + n):
                     pos = st.starts[i] + t - offset
-                    if pos + 1 < batch.num_prompt_tokens[row]:
+                    if pos + 1 < st.num_prompt_tokens[i]:
                         entries.append(Logprobs(float(plp[t]), int(prank[t]), pids[t, :k].tolist(),
                                                 ptop[t, :k].tolist()))
                 if entries:
@@ -518,6 +520,9 @@ class _Step:
     starts: np.ndarray
     n: np.ndarray
     final: np.ndarray  # the rows that sample
+    num_logprobs: np.ndarray         # what each row asked for (the rows may be gone by collect)
+    num_prompt_logprobs: np.ndarray
+    num_prompt_tokens: np.ndarray
 
 
 @dataclass
