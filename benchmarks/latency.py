@@ -17,41 +17,85 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload")
     g.add_argument("--input-len", type=int, default=128)
     g.add_argument("--output-len", type=int, default=64)
-    g.add_argument("--batch-size", type=int, default=8, help="N of the batch-N measurement")
+    g.add_argument("--batch-size", default="8",
+                   help="N of the batch-N measurements; several as 8,64,256 (batch 1 always)")
     g.add_argument("--num-iters", type=int, default=5)
     g.add_argument("--num-iters-warmup", type=int, default=1)
+    g.add_argument("--replay-steps", type=int, default=10,
+                   help="decode steps replayed back to back to time the device alone")
     g.add_argument("--workload-seed", type=int, default=0)
     o = p.add_argument_group("output")
     o.add_argument("--results-dir", default=os.environ.get("OUT") or "benchmarks/results")
     o.add_argument("--tag", default=None)
 
 
-def _timed_steps(engine, requests, host=None) -> tuple[list[float], list[float], float]:
-    """Runs requests to completion: (prefill step times, decode step times, e2e seconds).
-    A decode step is one in which every scheduled request computes exactly one token; `host`
-    collects each decode step's time outside the wait for the device's results."""
+class _Recorder:
+    """Keeps the inputs of the steps the runner launches that decode the whole batch (one
+    token for each of `batch` sequences), to replay the middle one: its context length is
+    the decode phase's average."""
+
+    def __init__(self, runner):
+        self.runner, self.steps, self.batch = runner, [], 0
+        self._run = runner._run_step
+
+        def run(shape, inputs, *a, **kw):
+            md = inputs[1]
+            tokens = int(md.query_start_loc[-1])
+            if tokens == self.batch and int((md.seq_lens > 0).sum()) == self.batch:
+                self.steps.append((shape, inputs))
+            return self._run(shape, inputs, *a, **kw)
+        runner._run_step = run
+
+    def middle(self):
+        return self.steps[len(self.steps) // 2]
+
+
+def device_step_seconds(runner, shape, inputs, steps: int) -> float:
+    """The device's own time for one step: the same compiled step run `steps` times back to
+    back, inputs already on the device, no host work in between."""
+    import jax
+    exe = runner._compiled[shape]
+    args = runner._put(inputs)
+    kv, sampler = runner.kv_cache, runner.sampler_state
+    res, kv, sampler = exe(runner.state, kv, sampler, *args)  # once more, to settle
+    jax.block_until_ready(res)
+    blocks = []
+    for _ in range(3):  # the median of three blocks: one noisy block does not decide it
+        t = time.perf_counter()
+        for _ in range(steps):
+            res, kv, sampler = exe(runner.state, kv, sampler, *args)
+        jax.block_until_ready(res)
+        blocks.append((time.perf_counter() - t) / steps)
+    runner.kv_cache, runner.sampler_state = kv, sampler
+    return float(np.median(blocks))
+
+
+def _run_batch(engine, requests) -> tuple[float, float, int]:
+    """Runs requests to completion: (seconds to the last first token, seconds of the steady
+    decode phase, its steps). That phase runs from the moment every request has its first
+    token to the moment the first one finishes (prompts are prefilled a budget at a time, so
+    the requests finish at different steps): every step in it decodes the whole batch. It is
+    timed whole: with async scheduling one step() call launches a step and reads the previous
+    one, so single calls are not steps."""
     from jaxllm import SamplingParams
 
     for rid, prompt, n_out in requests:
         engine.add_request(rid, {"prompt_token_ids": prompt},
                            SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True))
-    prefill, decode = [], []
+    waiting = {rid for rid, _, _ in requests}
     start = time.perf_counter()
+    first = steps_at_first = last = steps_at_last = None
     while engine.has_unfinished_requests():
-        t = time.perf_counter()
-        sched = engine.scheduler
-        before = {r.request_id: r.num_computed_tokens for r in sched.running}
-        waited = engine.runner.device_wait_seconds
-        engine.step()
-        dt = time.perf_counter() - t
-        waited = engine.runner.device_wait_seconds - waited
-        after = {r.request_id: r.num_computed_tokens for r in sched.running}
-        advanced = [after.get(k, before[k] + 1) - before[k] for k in before]
-        is_decode = bool(before) and all(a == 1 for a in advanced) and len(before) == len(requests)
-        (decode if is_decode else prefill).append(dt)
-        if is_decode and host is not None:
-            host.append(dt - waited)
-    return prefill, decode, time.perf_counter() - start
+        for out in engine.step():
+            if out.outputs[0].token_ids:
+                waiting.discard(out.request_id)
+            if out.finished and last is None and first is not None:
+                last, steps_at_last = time.perf_counter(), engine.runner.num_steps
+        if first is None and not waiting:
+            first, steps_at_first = time.perf_counter(), engine.runner.num_steps
+    if last is None:  # one output token: no decode phase
+        last, steps_at_last = first, steps_at_first
+    return first - start, last - first, steps_at_last - steps_at_first
 
 
 def hbm_floor_ms(engine, batch: int, context: int) -> dict | None:
@@ -78,14 +122,18 @@ def run(args) -> int:
     config = engine_config_from_args(args)
     llm = LLM(config=config)
     engine = llm.llm_engine
+    recorder = _Recorder(engine.runner)
     tok = engine.tokenizer
     avoid = set(getattr(tok, "all_special_ids", []) or []) if tok is not None else set()
     src = datasets.TokenSource(engine.arch.vocab_size, avoid, args.workload_seed)
+    sizes = sorted({1, *(int(b) for b in str(args.batch_size).split(","))})
     results = {"workload": {"input_len": args.input_len, "output_len": args.output_len,
-                            "batch_size": args.batch_size, "num_iters": args.num_iters}}
+                            "batch_sizes": sizes, "num_iters": args.num_iters},
+               "async_scheduling": getattr(engine.config, "async_scheduling", False)}
     count = 0
-    for batch in sorted({1, args.batch_size}):
-        ttft, steps, e2e, host = [], [], [], []
+    for batch in sizes:
+        recorder.batch = batch
+        ttft, steps, e2e = [], [], []
         for it in range(args.num_iters_warmup + args.num_iters):
             reqs = []
             for _ in range(batch):
@@ -93,30 +141,33 @@ def run(args) -> int:
                 reqs.append((f"lat-{count}", src.tokens(args.input_len), args.output_len))
             # time to first token: the prompt alone, one output token
             t0 = time.perf_counter()
-            _timed_steps(engine, [(r + "-ttft", p, 1) for r, p, _ in reqs])
+            _run_batch(engine, [(r + "-ttft", p, 1) for r, p, _ in reqs])
             t_first = time.perf_counter() - t0
-            hosted = []
-            _, dec, total = _timed_steps(engine, reqs, hosted)
-            if it >= args.num_iters_warmup:
+            recorder.steps = []
+            _, decode, n = _run_batch(engine, reqs)
+            if it >= args.num_iters_warmup and n > 0:
                 ttft.append(t_first)
-                steps += dec
-                host += hosted
-                e2e.append(total)
-        # host time of a decode step: what async scheduling could hide behind the device
+                steps.append(decode / n)
+                e2e.append(time.perf_counter() - t0 - t_first)
+        # a step that decoded the whole batch, replayed: the device's time alone
+        shape, inputs = recorder.middle()
+        device = device_step_seconds(engine.runner, shape, inputs, args.replay_steps)
+        step = float(np.median(steps))
         entry = {"ttft_s": percentiles(ttft), "decode_step_s": percentiles(steps),
-                 "decode_host_s": percentiles(host), "e2e_s": percentiles(e2e)}
+                 "device_step_s": device, "step_shape": list(shape),
+                 # what the host adds to a step that the device does not hide
+                 "exposed_host_s": step - device, "e2e_s": percentiles(e2e)}
         floor = hbm_floor_ms(engine, batch, args.input_len + args.output_len // 2)
         if floor is not None:
             entry["hbm_floor"] = floor
-            entry["decode_step_over_floor"] = entry["decode_step_s"]["median"] * 1e3 / floor["floor_ms"]
+            entry["decode_step_over_floor"] = step * 1e3 / floor["floor_ms"]
         results[f"batch_{batch}"] = entry
         line = (f"batch {batch:>3}: TTFT {entry['ttft_s']['mean'] * 1e3:8.1f} ms  decode step "
-                f"{entry['decode_step_s']['median'] * 1e3:8.2f} ms (p99 {entry['decode_step_s']['p99'] * 1e3:.2f}, "
-                f"host {entry['decode_host_s']['median'] * 1e3:.2f})"
-                f"  e2e {entry['e2e_s']['mean']:.2f} s")
+                f"{step * 1e3:8.2f} ms (device alone {device * 1e3:.2f}, host exposed "
+                f"{entry['exposed_host_s'] * 1e3:.2f})  e2e {entry['e2e_s']['mean']:.2f} s")
         if floor is not None:
             line += f"  = {entry['decode_step_over_floor']:.2f}x the HBM floor ({floor['floor_ms']:.2f} ms)"
-        print(line)
+        print(line, flush=True)
     results["engine"] = {"model": config.model or "SmolLM2-135M-Instruct (default GGUF)",
                          "dtype": str(np.dtype(engine.dtype)), "max_num_seqs": config.max_num_seqs,
                          "startup_seconds": round(engine.startup_seconds, 2)}
