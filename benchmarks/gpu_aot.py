@@ -135,8 +135,8 @@ def compile_kernels(rep, arch: str) -> list[dict]:
 def compile_steps(mesh, device_memory: int, args) -> dict:
     from jaxllm.engine.llm_engine import kv_budget_bytes
     from jaxllm.loader.loader import abstract_model
-    from jaxllm.models.arch import ArchConfig
-    from jaxllm.models.llama import KV_CACHE_AXES
+    from jaxllm.layers.linear import uniform_policy
+    from jaxllm.models.registry import arch_from_hf, get_model_class
     from jaxllm.parallel import plan, runtime_arch, sharding
     from jaxllm.runner.model_runner import (abstract_step_inputs, build_step, kv_bytes_per_block,
                                             kv_cache_shape, step_compiler_options, table_width)
@@ -144,15 +144,16 @@ def compile_steps(mesh, device_memory: int, args) -> dict:
     import json
 
     with open(os.path.join(args.model, "config.json")) as f:
-        ckpt_arch = ArchConfig.from_hf(json.load(f))
+        ckpt_arch = arch_from_hf(json.load(f))
     arch = runtime_arch(ckpt_arch, plan(ckpt_arch, mesh.size))
     dtype = jnp.dtype(args.dtype)
-    graphdef, abstract_state, shardings = abstract_model(arch, dtype, args.attention_backend, mesh)
+    graphdef, abstract_state, shardings = abstract_model(arch, uniform_policy(dtype),
+                                                         args.attention_backend, mesh)
     state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                          abstract_state, shardings)
     # per device: each holds its shard of every weight
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state)) // mesh.size
-    kv_sh, rep = sharding(mesh, *KV_CACHE_AXES), sharding(mesh)
+    kv_sh, rep = sharding(mesh, *get_model_class(arch.architecture).KV_CACHE_AXES), sharding(mesh)
     bs = args.block_size
     width = table_width(args.max_model_len, bs)
     qt_of = lambda T: (__import__("jaxllm.layers.attention", fromlist=["q_tile_size"])  # noqa: E731

@@ -153,6 +153,7 @@ def main(argv=None) -> int:
             ("latency", "latency", "TTFT and decode step time at batch 1 and N", True),
             ("serve", "serve", "online load against an OpenAI-compatible server", False),
             ("kernels", "kernels", "paged-attention kernels against measured peaks", False),
+            ("dots", "dots", "the dtype forms of a projection's dot on this machine", False),
             ("aot", "gpu_aot", "compile kernels and engine step for a GPU without one", False)):
         mod = importlib.import_module(f"benchmarks.{module}")
         b = bench.add_parser(name, help=help_)

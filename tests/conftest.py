@@ -37,7 +37,8 @@ def _tiny_config(arch: str, **over):
                   rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
     common.update(over)
     cls = {"LlamaForCausalLM": transformers.LlamaConfig, "MistralForCausalLM": transformers.MistralConfig,
-           "Qwen2ForCausalLM": transformers.Qwen2Config, "Qwen3ForCausalLM": transformers.Qwen3Config}[arch]
+           "Qwen2ForCausalLM": transformers.Qwen2Config, "Qwen3ForCausalLM": transformers.Qwen3Config,
+           "Phi3ForCausalLM": transformers.Phi3Config}[arch]
     return cls(**common)
 
 
@@ -51,6 +52,14 @@ TINY_VARIANTS = {
     "qwen3": ("Qwen3ForCausalLM", dict(head_dim=32)),
     # every projection with a bias
     "llama_bias": ("LlamaForCausalLM", dict(attention_bias=True, mlp_bias=True)),
+    # q/k/v and gate/up fused in the checkpoint
+    "phi3": ("Phi3ForCausalLM", dict()),
+    # LongRoPE (within the original context: short factors and the attention factor) over
+    # half of head_dim, as Phi-4-mini has it
+    "phi3_longrope": ("Phi3ForCausalLM", dict(
+        partial_rotary_factor=0.5, original_max_position_embeddings=64, rope_scaling={
+            "rope_type": "longrope", "short_factor": [1.0, 1.3, 2.1, 3.7],
+            "long_factor": [1.5, 4.0, 9.0, 20.0]})),
 }
 
 

@@ -230,3 +230,56 @@ def test_qwen2_sliding_window_honoured_or_refused(tmp_path, max_window_layers, w
                 ArchConfig.from_hf(d)
         else:
             assert ArchConfig.from_hf(d).sliding_window == window
+
+
+def test_cpu_bf16_policy_stores_bf16_and_stays_close(tmp_path):
+    """dtype="bfloat16" on a CPU: projection weights and the embedding stored in bf16, norms
+    in f32; logits close to the f32 model's (bf16 rounding of weights and dot inputs only)."""
+    from jaxllm.layers.linear import CPU_BF16_POLICY
+    make_tiny_checkpoint(tmp_path, "llama3")
+    ref = load_model(str(tmp_path), jnp.float32, load_tokenizer=False)
+    pol = load_model(str(tmp_path), CPU_BF16_POLICY, load_tokenizer=False)
+    layers = pol.state["layers"]
+    assert layers["wqkv"][...].dtype == jnp.bfloat16 and pol.state["embed_tokens"][...].dtype == jnp.bfloat16
+    assert layers["input_norm"][...].dtype == jnp.float32
+    rng = np.random.default_rng(0)
+    for n in (3, 40):
+        ids = rng.integers(0, 49152, size=n).tolist()
+        a, b = all_logits(ref, ids), all_logits(pol, ids)
+        rel = np.abs(a - b).max() / np.abs(a).max()
+        assert 0 < rel < 3e-2, rel
+        assert (a.argmax(-1) == b.argmax(-1)).mean() > 0.8
+
+
+def test_longrope_refuses_a_context_past_the_original(tmp_path):
+    """LongRoPE's long factors would re-rotate cached keys: the model serves its original
+    context with the short factors, and a longer max_model_len is refused."""
+    from jaxllm import LLM
+    make_tiny_checkpoint(tmp_path, "phi3_longrope", tokenizer_dir=None)
+    loaded = load_model(str(tmp_path), jnp.float32, load_tokenizer=False)
+    assert loaded.arch.max_position_embeddings == 64 and loaded.arch.rotary_dim == 8
+    assert loaded.arch.rope_scaling["attention_factor"] > 1
+    with pytest.raises(ValueError, match=r"max_model_len \(128\) is larger than the model's maximum context \(64\)"):
+        LLM(model=str(tmp_path), max_model_len=128, load_format="dummy", warmup=False)
+
+
+def test_registry_dispatches_on_architectures():
+    from jaxllm.models import get_model_class
+    from jaxllm.models.llama import LlamaForCausalLM
+    from jaxllm.models.phi3 import Phi3ForCausalLM
+    assert get_model_class("Phi3ForCausalLM") is Phi3ForCausalLM
+    assert get_model_class("Qwen2ForCausalLM") is LlamaForCausalLM
+    # the fused checkpoint names are Phi-3's alone
+    assert Phi3ForCausalLM.HF_WEIGHTS.lookup("model.layers.0.self_attn.qkv_proj.weight")[0].segment is None
+    with pytest.raises(ValueError, match="qkv_proj.weight is not used"):
+        LlamaForCausalLM.HF_WEIGHTS.lookup("model.layers.0.self_attn.qkv_proj.weight")
+
+
+def test_dtype_policy_per_platform():
+    from jaxllm.layers.linear import CPU_BF16_POLICY, resolve_policy
+    assert resolve_policy("auto", "cpu").weight == jnp.float32  # measured fastest (bench dots)
+    assert resolve_policy("bfloat16", "cpu") == CPU_BF16_POLICY
+    assert CPU_BF16_POLICY.activation == jnp.float32 and CPU_BF16_POLICY.accum == jnp.float32
+    gpu = resolve_policy("auto", "gpu")
+    assert gpu.weight == gpu.activation == jnp.bfloat16
+    assert resolve_policy("float32", "gpu").dot == jnp.float32

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import _tiny_config
 from jaxllm.models.arch import ArchConfig
-from jaxllm.parallel import plan, runtime_arch, transform_weights
+from jaxllm.parallel import plan, runtime_arch
 
 HERE = os.path.dirname(__file__)
 
@@ -36,7 +36,7 @@ def assert_same_as_one_device(res: dict, sizes):
                                        atol=1e-4, rtol=1e-4)
         assert res[tp]["devices_per_weight"] == tp
         # each device holds its slice of the heads, not a copy of the whole weight
-        full, shard = res[tp]["wq_full"], res[tp]["wq_shard"]
+        full, shard = res[tp]["wqkv_full"], res[tp]["wqkv_shard"]
         assert shard == full[:2] + [full[2] // tp]
 
 
@@ -63,18 +63,35 @@ def test_plan_pads_and_repeats():
 
 def test_repeated_kv_heads_keep_the_gqa_mapping():
     """Query head h reads KV head h // (H / KVH) before; after repeating each KV head r times,
-    head h's virtual KV head (h // (H / (KVH * r))) holds the same weights."""
+    head h's virtual KV head (h // (H / (KVH * r))) holds the same weights. The fused q/k/v
+    columns are device-major: device d's shard is its q heads, then its k and v heads."""
+    from jaxllm.models.llama import LlamaForCausalLM, split_device_major
     a = arch()
     p = plan(a, 8)
+    rt = runtime_arch(a, p)
     rng = np.random.default_rng(0)
-    wk = rng.standard_normal((2, 64, a.num_kv_heads * a.head_dim)).astype(np.float32)
-    out = transform_weights({"layers.wk": wk, "layers.wv": wk, "layers.w_gate": np.zeros((2, 64, 100)),
-                             "layers.w_up": np.zeros((2, 64, 100)), "layers.w_down": np.zeros((2, 100, 64)),
-                             "embed_tokens": np.zeros((1001, 64))}, a, p)
-    virt = out["layers.wk"].reshape(2, 64, 8, 8)
-    orig = wk.reshape(2, 64, 2, 8)
-    for h in range(a.num_heads):
-        np.testing.assert_array_equal(virt[:, :, h // (8 // 8)], orig[:, :, h // 4])
+    H, K, D = a.num_heads, a.num_kv_heads, a.head_dim
+    wqkv = rng.standard_normal((2, 64, (H + 2 * K) * D)).astype(np.float32)
+    gate_up = rng.standard_normal((2, 64, 200)).astype(np.float32)
+    out = LlamaForCausalLM.tp_transform({"layers.wqkv": wqkv, "layers.w_gate_up": gate_up,
+                                         "layers.w_down": np.zeros((2, 100, 64)),
+                                         "embed_tokens": np.zeros((1001, 64))}, a, p)
+    K2 = rt.num_kv_heads
+    assert out["layers.wqkv"].shape == (2, 64, (H + 2 * K2) * D)
+    q, k, v = (np.asarray(x) for x in split_device_major(out["layers.wqkv"], [H * D, K2 * D, K2 * D], 8))
+    np.testing.assert_array_equal(q, wqkv[..., :H * D])
+    virt, orig = k.reshape(2, 64, K2, D), wqkv[..., H * D:(H + K) * D].reshape(2, 64, K, D)
+    for h in range(H):
+        np.testing.assert_array_equal(virt[:, :, h // (H // K2)], orig[:, :, h // (H // K)])
+    # each device's columns: its q heads, then its (repeated) k and v heads
+    shard = out["layers.wqkv"][..., :(H + 2 * K2) * D // 8]
+    np.testing.assert_array_equal(shard[..., :D], wqkv[..., :D])
+    np.testing.assert_array_equal(shard[..., D:2 * D], orig[:, :, 0])
+    F2 = rt.intermediate_size  # padded to a multiple of 8 with zero units
+    gate, up = (np.asarray(x) for x in split_device_major(out["layers.w_gate_up"], [F2, F2], 8))
+    np.testing.assert_array_equal(gate[..., :100], gate_up[..., :100])
+    np.testing.assert_array_equal(up[..., :100], gate_up[..., 100:])
+    assert not gate[..., 100:].any() and not up[..., 100:].any()
     assert out["embed_tokens"].shape == (1008, 64)
 
 

@@ -2,7 +2,6 @@
 block invariants under random workloads (hypothesis), checked against a simulated cache."""
 import random
 
-import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule

@@ -36,10 +36,10 @@ def main():
             "prompt_logprobs": [[e[t].logprob for t, e in zip(o.prompt_token_ids[1:], o.prompt_logprobs[1:])]
                                 for o in res],
             "kv_cache_spec": sorted(shards),
-            "devices_per_weight": len(llm.llm_engine.runner.state["layers"]["wq"][...].sharding.device_set),
+            "devices_per_weight": len(llm.llm_engine.runner.state["layers"]["wqkv"][...].sharding.device_set),
             # what one device holds of wq [layers, embed, heads * head_dim]
-            "wq_shard": list(llm.llm_engine.runner.state["layers"]["wq"][...].addressable_shards[0].data.shape),
-            "wq_full": list(llm.llm_engine.runner.state["layers"]["wq"][...].shape),
+            "wqkv_shard": list(llm.llm_engine.runner.state["layers"]["wqkv"][...].addressable_shards[0].data.shape),
+            "wqkv_full": list(llm.llm_engine.runner.state["layers"]["wqkv"][...].shape),
         }
         del llm
     print("RESULT " + json.dumps(out))

@@ -6,7 +6,6 @@ import os
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.config import EngineConfig
@@ -16,6 +15,7 @@ from jaxllm.core.scheduler import Scheduler
 from jaxllm.engine.input_processor import EngineRequest, InputProcessor
 from jaxllm.engine.output_processor import OutputProcessor
 from jaxllm.engine.outputs import RequestOutput
+from jaxllm.layers.linear import resolve_policy
 from jaxllm.loader import load_model
 from jaxllm.parallel import make_mesh
 from jaxllm.parallel import multiprocess as mp
@@ -72,13 +72,6 @@ def kv_budget_bytes(limit: int, in_use: int, scratch: int, utilization: float,
     return int(usable * (1 - ALLOCATOR_SLACK)) - in_use - scratch
 
 
-def resolve_dtype(name: str, platform: str):
-    if name == "auto":
-        # bf16 on accelerators; on CPU XLA's f32 matmuls are the fast ones
-        return jnp.bfloat16 if platform in ("gpu", "tpu") else jnp.float32
-    return jnp.dtype(name).type
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         start = time.perf_counter()
@@ -88,11 +81,14 @@ class LLMEngine:
             mp.initialize(config.distributed_coordinator, config.num_processes, config.process_id)
         setup_compilation_cache(config.compilation_cache_dir)
         platform = jax.default_backend()
-        self.dtype = resolve_dtype(config.dtype, platform)
+        # weights' storage and the dots' dtypes per platform (jaxllm.layers.linear); the KV
+        # cache and element-wise work run in the policy's activation dtype
+        self.policy = resolve_policy(config.dtype, platform)
+        self.dtype = self.policy.activation
         if config.attention_backend == "auto":
             config.attention_backend = "pallas" if platform == "gpu" else "xla"
         self.mesh = make_mesh(config.tensor_parallel_size)
-        loaded = load_model(config.model, self.dtype, config.load_format, config.seed,
+        loaded = load_model(config.model, self.policy, config.load_format, config.seed,
                             config.tokenizer, attention_backend=config.attention_backend,
                             mesh=self.mesh)
         self.arch = loaded.arch
@@ -137,7 +133,7 @@ class LLMEngine:
         self.peak_running = 0
         self.startup_seconds = time.perf_counter() - start
         logger.info("engine ready in %.1f s (model %s, dtype %s, %s, %s scheduling)",
-                    self.startup_seconds, loaded.path, jnp.dtype(self.dtype).name, platform,
+                    self.startup_seconds, loaded.path, self.policy.describe(), platform,
                     "async" if config.async_scheduling else "synchronous")
 
     def _num_blocks(self, platform: str, per_block: int, loaded) -> int:

@@ -1,4 +1,5 @@
-"""GGUF files (llama architecture), dequantized with the `gguf` package."""
+"""GGUF files, dequantized with the `gguf` package; which tensor goes where is the model
+class's GGUF_WEIGHTS."""
 from __future__ import annotations
 
 import re
@@ -8,31 +9,7 @@ import numpy as np
 from jaxllm.loader.hf import StackedWeights
 from jaxllm.models.arch import ArchConfig
 
-_LAYER = {
-    "attn_norm.weight": ("input_norm", False),
-    "ffn_norm.weight": ("post_norm", False),
-    "attn_q.weight": ("wq", True),
-    "attn_k.weight": ("wk", True),
-    "attn_v.weight": ("wv", True),
-    "attn_output.weight": ("wo", True),
-    "ffn_gate.weight": ("w_gate", True),
-    "ffn_up.weight": ("w_up", True),
-    "ffn_down.weight": ("w_down", True),
-    "attn_q.bias": ("bq", False),
-    "attn_k.bias": ("bk", False),
-    "attn_v.bias": ("bv", False),
-    "attn_output.bias": ("bo", False),
-    "ffn_gate.bias": ("b_gate", False),
-    "ffn_up.bias": ("b_up", False),
-    "ffn_down.bias": ("b_down", False),
-}
-_GLOBAL = {
-    "token_embd.weight": ("embed_tokens", False),
-    "output_norm.weight": ("norm", False),
-    "output.weight": ("lm_head", True),
-}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
-
 
 def _field(reader, key, default=None):
     f = reader.fields.get(key)
@@ -58,18 +35,17 @@ def _rope_scaling(reader, p: str) -> dict | None:
                      "Llama 3 frequency factors")
 
 
-def gguf_arch_config(reader) -> ArchConfig:
+def gguf_arch_config(reader, cls) -> ArchConfig:
+    """llama.cpp's metadata keys, prefixed by its architecture name; `cls` the model class."""
     arch = _field(reader, "general.architecture")
-    if arch != "llama":
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: llama")
-    p = "llama."
+    p = arch + "."
     heads = int(_field(reader, p + "attention.head_count"))
     hidden = int(_field(reader, p + "embedding_length"))
     names = {t.name for t in reader.tensors}
     vocab = _field(reader, p + "vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
     biases = {m.group(2) for n in names if (m := _LAYER_RE.fullmatch(n)) and n.endswith(".bias")}
     return ArchConfig(
-        architecture="LlamaForCausalLM",
+        architecture=cls.__name__,
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(_field(reader, p + "feed_forward_length")),
@@ -96,28 +72,20 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def load_gguf_weights(reader, cfg: ArchConfig, shapes: dict, dtype) -> dict[str, np.ndarray]:
+def load_gguf_weights(reader, cfg: ArchConfig, cls, out: StackedWeights) -> dict[str, np.ndarray]:
     from gguf.quants import dequantize
 
-    out = StackedWeights(shapes, dtype)
+    heads = {"q": cfg.num_heads, "k": cfg.num_kv_heads}
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":
             continue  # read into the architecture's rope scaling
-        if t.name in _GLOBAL:
-            name, transpose = _GLOBAL[t.name]
-            layer = None
-        else:
-            m = _LAYER_RE.fullmatch(t.name)
-            if not m or m.group(2) not in _LAYER:
-                raise ValueError(f"GGUF tensor {t.name} is not used by this model (unsupported "
-                                 "architecture variant?)")
-            name, transpose = _LAYER[m.group(2)]
-            name, layer = "layers." + name, int(m.group(1))
+        found = cls.GGUF_WEIGHTS.lookup(t.name)
+        if found is None:
+            continue
+        target, layer = found
         w = dequantize(t.data, t.tensor_type).astype(np.float32)
         w = w.reshape([int(d) for d in reversed(t.shape)])  # GGUF lists dims inner-first
-        if name in ("layers.wq", "layers.bq"):
-            w = _unpermute(w, cfg.num_heads)
-        elif name in ("layers.wk", "layers.bk"):
-            w = _unpermute(w, cfg.num_kv_heads)
-        out.put(name, layer, w, t.name, transpose)
+        if target.unpermute:
+            w = _unpermute(w, heads[target.unpermute])
+        out.put(target, layer, w, t.name, "layers." if layer is not None else "")
     return out.finish()

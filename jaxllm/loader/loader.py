@@ -11,14 +11,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxllm.loader.hf import StackedWeights, map_hf_name
+from jaxllm.layers.linear import DTypePolicy, uniform_policy
+from jaxllm.loader.hf import StackedWeights
 from jaxllm.loader.safetensors_io import checkpoint_files, read_safetensors
 from jaxllm.models import ArchConfig, get_model_class
-from jaxllm.models.llama import param_shapes
+from jaxllm.models.base import param_dtypes
+from jaxllm.models.registry import arch_from_hf, model_class_for_gguf
 
 logger = logging.getLogger(__name__)
 
@@ -101,36 +102,39 @@ def get_tokenizer(model: str | None):
     return _load_tokenizer(path, _gguf_file(path))
 
 
-def _read_weights(path: str, gguf_file: str | None, cfg_only: bool, dtype):
+def _stacked(cls, arch: ArchConfig, policy: DTypePolicy) -> StackedWeights:
+    specs = cls.param_specs(arch)
+    return StackedWeights({k: v.shape for k, v in specs.items()}, param_dtypes(specs, policy),
+                          cls.segments(arch))
+
+
+def _read_weights(path: str, gguf_file: str | None, cfg_only: bool, policy: DTypePolicy):
+    """(checkpoint architecture, host weights in the checkpoint's shapes or None)."""
     if gguf_file:
         import gguf
+        from jaxllm.loader.gguf_loader import gguf_arch_config, load_gguf_weights
         reader = gguf.GGUFReader(gguf_file)
-        arch = ArchConfig_from_gguf(reader)
+        cls = model_class_for_gguf(str(reader.fields["general.architecture"].contents()))
+        arch = gguf_arch_config(reader, cls)
         if cfg_only:
             return arch, None
-        from jaxllm.loader.gguf_loader import load_gguf_weights
-        return arch, load_gguf_weights(reader, arch, param_shapes(arch), dtype)
+        return arch, load_gguf_weights(reader, arch, cls, _stacked(cls, arch, policy))
     config_path = os.path.join(path, "config.json")
     if not os.path.exists(config_path):
         raise ValueError(f"{path} has no config.json and no single .gguf file")
     with open(config_path) as f:
-        arch = ArchConfig.from_hf(json.load(f))
+        arch = arch_from_hf(json.load(f))
     if cfg_only:
         return arch, None
-    out = StackedWeights(param_shapes(arch), dtype)
+    cls = get_model_class(arch.architecture)
+    out = _stacked(cls, arch, policy)
     for file in checkpoint_files(path):
         for name, tensor in read_safetensors(file).items():
-            mapped = map_hf_name(name)
-            if mapped is None:
-                continue
-            ours, layer, transpose = mapped
-            out.put(ours, layer, tensor, name, transpose)
+            found = cls.HF_WEIGHTS.lookup(name)
+            if found is not None:
+                target, layer = found
+                out.put(target, layer, tensor, name, "layers." if layer is not None else "")
     return arch, out.finish()
-
-
-def ArchConfig_from_gguf(reader) -> ArchConfig:
-    from jaxllm.loader.gguf_loader import gguf_arch_config
-    return gguf_arch_config(reader)
 
 
 def _param_name(path_keys) -> str:
@@ -140,51 +144,52 @@ def _param_name(path_keys) -> str:
     return ".".join(keys)
 
 
-def abstract_model(arch: ArchConfig, dtype, attention_backend: str, mesh):
+def abstract_model(arch: ArchConfig, policy: DTypePolicy, attention_backend: str, mesh):
     """The model's graph, the shapes of its parameters (no memory) and their shardings on
     `mesh`; arch is the runtime architecture (after tensor-parallel padding)."""
-    from jaxllm.models.llama import PARAM_AXES
     from jaxllm.parallel import sharding
     cls = get_model_class(arch.architecture)
-    abstract = nnx.eval_shape(lambda: cls(arch, dtype, rngs=nnx.Rngs(0),
+    specs = cls.param_specs(arch)
+    abstract = nnx.eval_shape(lambda: cls(arch, policy, rngs=nnx.Rngs(0),
                                           attention_backend=attention_backend, mesh=mesh))
     graphdef, abstract_state = nnx.split(abstract)
     shardings = jax.tree_util.tree_map_with_path(
-        lambda p, leaf: sharding(mesh, *PARAM_AXES[_param_name(p)]), abstract_state)
+        lambda p, leaf: sharding(mesh, *specs[_param_name(p)].axes), abstract_state)
     return graphdef, abstract_state, shardings
 
 
-def load_model(model: str | None, dtype, load_format: str = "auto", seed: int = 0,
+def load_model(model: str | None, policy, load_format: str = "auto", seed: int = 0,
                tokenizer: str | None = None, attention_backend: str = "xla",
                load_tokenizer: bool = True, mesh=None) -> LoadedModel:
     """Read a checkpoint (or make random weights with load_format="dummy") straight into the
     shards of `mesh` (default: a mesh of the first device). With tensor parallelism the
     model's shapes are padded / repeated per jaxllm.parallel.plan; each device receives only
-    its slice of every tensor."""
-    from jaxllm.parallel import make_mesh, plan, runtime_arch, transform_weights
+    its slice of every tensor. `policy` is a DTypePolicy (or one dtype for everything)."""
+    from jaxllm.parallel import make_mesh, plan, runtime_arch
 
+    if not isinstance(policy, DTypePolicy):
+        policy = uniform_policy(policy)
     mesh = mesh if mesh is not None else make_mesh(1)
     path = resolve_model_path(model)
     gguf_file = _gguf_file(path)
-    np_dtype = np.dtype(jnp.dtype(dtype))
     dummy = load_format == "dummy"
-    ckpt_arch, weights = _read_weights(path, gguf_file, dummy, np_dtype)
+    ckpt_arch, weights = _read_weights(path, gguf_file, dummy, policy)
     tp = plan(ckpt_arch, mesh.size)
     arch = runtime_arch(ckpt_arch, tp)
     cls = get_model_class(arch.architecture)
-    graphdef, abstract_state, shardings = abstract_model(arch, dtype, attention_backend, mesh)
+    graphdef, abstract_state, shardings = abstract_model(arch, policy, attention_backend, mesh)
     if dummy:
         # random weights of real shapes, each device making only its own shards
         def init():
-            return nnx.split(cls(arch, dtype, rngs=nnx.Rngs(seed),
+            return nnx.split(cls(arch, policy, rngs=nnx.Rngs(seed),
                                  attention_backend=attention_backend, mesh=mesh))[1]
         state = jax.jit(init, out_shardings=shardings)()
     else:
-        weights = transform_weights(weights, ckpt_arch, tp)
+        weights = cls.tp_transform(weights, ckpt_arch, tp)
 
         def fill(path_keys, leaf, shard):
             w = weights[_param_name(path_keys)]
-            return jax.make_array_from_callback(w.shape, shard, lambda idx: np.asarray(w[idx], np_dtype))
+            return jax.make_array_from_callback(w.shape, shard, lambda idx: np.asarray(w[idx], leaf.dtype))
 
         state = jax.tree_util.tree_map_with_path(fill, abstract_state, shardings)
     tok = None
@@ -201,6 +206,6 @@ def load_model(model: str | None, dtype, load_format: str = "auto", seed: int = 
         eos = eos[0] if eos else None
     if eos is None and tok is not None:
         eos = tok.eos_token_id
-    logger.info("loaded %s (%s, %d layers) from %s", arch.architecture, jnp.dtype(dtype).name,
-                arch.num_layers, path)
+    logger.info("loaded %s (%d layers) from %s; dtype policy %s", arch.architecture,
+                arch.num_layers, path, policy.describe())
     return LoadedModel(path, arch, graphdef, state, tok, eos, mesh)

@@ -27,6 +27,8 @@ class ArchConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     vocab_pad: int = 0  # zero rows added for tensor parallelism; their logits are cut off
+    tp_size: int = 1    # devices the runtime shapes are split over (fused columns are device-major)
+    rotary_dim: int | None = None  # RoPE on the first rotary_dim of head_dim (None: all of it)
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -35,6 +37,8 @@ class ArchConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "ArchConfig":
+        """The Llama family's reading of an HF config; other families adjust it (their model
+        class's arch_from_hf)."""
         from jaxllm.models.registry import resolve_architecture
         arch = resolve_architecture(cfg.get("architectures"))
         act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))

@@ -5,153 +5,248 @@ Per-layer weights are stacked on a leading layer axis. Off a GPU the layers run 
 XLA's GPU while loop each layer's weights are first copied out of the stack by a
 dynamic-slice (a decode step would move every weight three times through HBM instead of
 once), while a static slice folds into the matmul that reads it. Weights are stored
-`[in, out]`.
+`[in, out]`. q/k/v are one fused projection and gate/up another (one dot each instead of
+three and two); under tensor parallelism their columns are laid out device-major (device
+d's q heads, then its k and v heads), so each device's shard is its own q/k/v.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxllm.layers.attention import AttentionMetadata, attention_block
+from jaxllm.layers.linear import DTypePolicy, linear, uniform_policy
 from jaxllm.layers.norm import rms_norm
-from jaxllm.layers.rotary import apply_rope, rope_inv_freq
+from jaxllm.layers.rotary import apply_rope, rope_inv_freq, rope_mscale
 from jaxllm.models.arch import ArchConfig
+from jaxllm.models.base import ParamSpec, Target, WeightMap
 from jaxllm.parallel import platform_of
 
 
-def param_shapes(cfg: ArchConfig) -> dict[str, tuple[int, ...]]:
-    """Every parameter of the model by its dotted name."""
-    L, E, F = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
-    H, K, D, V = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size + cfg.vocab_pad
-    shapes = {
-        "embed_tokens": (V, E),
-        "norm": (E,),
-        "layers.input_norm": (L, E),
-        "layers.wq": (L, E, H * D),
-        "layers.wk": (L, E, K * D),
-        "layers.wv": (L, E, K * D),
-        "layers.wo": (L, H * D, E),
-        "layers.post_norm": (L, E),
-        "layers.w_gate": (L, E, F),
-        "layers.w_up": (L, E, F),
-        "layers.w_down": (L, F, E),
+def _hf_layer(fused_in_checkpoint: bool) -> dict[str, Target]:
+    table = {
+        "input_layernorm.weight": Target("input_norm"),
+        "post_attention_layernorm.weight": Target("post_norm"),
+        "self_attn.o_proj.weight": Target("wo", True),
+        "self_attn.o_proj.bias": Target("bo"),
+        "self_attn.q_norm.weight": Target("q_norm"),
+        "self_attn.k_norm.weight": Target("k_norm"),
+        "mlp.down_proj.weight": Target("w_down", True),
+        "mlp.down_proj.bias": Target("b_down"),
     }
-    if cfg.qkv_bias:
-        shapes |= {"layers.bq": (L, H * D), "layers.bk": (L, K * D), "layers.bv": (L, K * D)}
-    if cfg.o_bias:
-        shapes["layers.bo"] = (L, E)
-    if cfg.mlp_bias:
-        shapes |= {"layers.b_gate": (L, F), "layers.b_up": (L, F), "layers.b_down": (L, E)}
-    if cfg.qk_norm:
-        shapes |= {"layers.q_norm": (L, D), "layers.k_norm": (L, D)}
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head"] = (E, V)
-    return shapes
+    if fused_in_checkpoint:
+        return table | {"self_attn.qkv_proj.weight": Target("wqkv", True),
+                        "mlp.gate_up_proj.weight": Target("w_gate_up", True)}
+    for part in "qkv":
+        table[f"self_attn.{part}_proj.weight"] = Target("wqkv", True, part)
+        table[f"self_attn.{part}_proj.bias"] = Target("bqkv", False, part)
+    for part in ("gate", "up"):
+        table[f"mlp.{part}_proj.weight"] = Target("w_gate_up", True, part)
+        table[f"mlp.{part}_proj.bias"] = Target("b_gate_up", False, part)
+    return table
 
 
-# logical axes of every parameter (jaxllm.parallel maps them to mesh axes)
-PARAM_AXES = {
-    "embed_tokens": ("vocab", "embed"),
-    "norm": ("embed",),
-    "lm_head": ("embed", "vocab"),
-    "layers.input_norm": ("layers", "embed"),
-    "layers.post_norm": ("layers", "embed"),
-    "layers.wq": ("layers", "embed", "heads"),
-    "layers.wk": ("layers", "embed", "kv_heads"),
-    "layers.wv": ("layers", "embed", "kv_heads"),
-    "layers.wo": ("layers", "heads", "embed"),
-    "layers.bq": ("layers", "heads"),
-    "layers.bk": ("layers", "kv_heads"),
-    "layers.bv": ("layers", "kv_heads"),
-    "layers.bo": ("layers", "embed"),
-    "layers.b_gate": ("layers", "mlp"),
-    "layers.b_up": ("layers", "mlp"),
-    "layers.b_down": ("layers", "embed"),
-    "layers.q_norm": ("layers", "head_dim"),
-    "layers.k_norm": ("layers", "head_dim"),
-    "layers.w_gate": ("layers", "embed", "mlp"),
-    "layers.w_up": ("layers", "embed", "mlp"),
-    "layers.w_down": ("layers", "mlp", "embed"),
+_HF_WHOLE = {
+    "model.embed_tokens.weight": Target("embed_tokens"),
+    "model.norm.weight": Target("norm"),
+    "lm_head.weight": Target("lm_head", True),
 }
-KV_CACHE_AXES = ("layers", "kv", "kv_heads", "slots", "head_dim")
+_GGUF_LAYER = {
+    "attn_norm.weight": Target("input_norm"),
+    "ffn_norm.weight": Target("post_norm"),
+    "attn_q.weight": Target("wqkv", True, "q", unpermute="q"),
+    "attn_k.weight": Target("wqkv", True, "k", unpermute="k"),
+    "attn_v.weight": Target("wqkv", True, "v"),
+    "attn_output.weight": Target("wo", True),
+    "ffn_gate.weight": Target("w_gate_up", True, "gate"),
+    "ffn_up.weight": Target("w_gate_up", True, "up"),
+    "ffn_down.weight": Target("w_down", True),
+    "attn_q.bias": Target("bqkv", False, "q", unpermute="q"),
+    "attn_k.bias": Target("bqkv", False, "k", unpermute="k"),
+    "attn_v.bias": Target("bqkv", False, "v"),
+    "attn_output.bias": Target("bo"),
+    "ffn_gate.bias": Target("b_gate_up", False, "gate"),
+    "ffn_up.bias": Target("b_gate_up", False, "up"),
+    "ffn_down.bias": Target("b_down"),
+}
+_GGUF_WHOLE = {
+    "token_embd.weight": Target("embed_tokens"),
+    "output_norm.weight": Target("norm"),
+    "output.weight": Target("lm_head", True),
+}
 
 
-def _init(name: str, shape, dtype, key):
-    if name.endswith("norm"):
-        return jnp.ones(shape, dtype)
-    if name.split(".")[-1].startswith("b"):
-        return jnp.zeros(shape, dtype)
-    return (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+def device_major(parts: list[np.ndarray], tp: int) -> np.ndarray:
+    """Concatenate `parts` on the last axis so that each of `tp` equal column shards holds
+    its share of every part, in order."""
+    split = [p.reshape(*p.shape[:-1], tp, p.shape[-1] // tp) for p in parts]
+    out = np.concatenate(split, axis=-1)
+    return out.reshape(*out.shape[:-2], -1)
 
 
-class LlamaLayers(nnx.Module):
-    """All decoder layers, each weight stacked over the layer axis."""
-
-    def __init__(self, shapes: dict, dtype, rngs: nnx.Rngs):
-        for name, shape in shapes.items():
-            setattr(self, name, nnx.Param(_init(name, shape, dtype, rngs.params())))
-
-    def weights(self) -> dict[str, jax.Array]:
-        return {k: v[...] for k, v in vars(self).items() if isinstance(v, nnx.Param)}
+def split_device_major(y: jax.Array, sizes: list[int], tp: int) -> list[jax.Array]:
+    """The inverse of device_major on a traced array: each part with its full width."""
+    y = y.reshape(*y.shape[:-1], tp, y.shape[-1] // tp)
+    out, start = [], 0
+    for n in sizes:
+        part = y[..., start:start + n // tp]
+        out.append(part.reshape(*part.shape[:-2], n))
+        start += n // tp
+    return out
 
 
 class LlamaForCausalLM(nnx.Module):
-    def __init__(self, cfg: ArchConfig, dtype=jnp.float32, *, rngs: nnx.Rngs,
+    # checkpoint tensor names -> our parameters
+    HF_WEIGHTS = WeightMap(r"model\.layers\.(\d+)\.(.+)", _hf_layer(fused_in_checkpoint=False), _HF_WHOLE,
+                           # RoPE's inverse frequencies, recomputed from the config
+                           ignored_re=r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+    GGUF_WEIGHTS = WeightMap(r"blk\.(\d+)\.(.+)", _GGUF_LAYER, _GGUF_WHOLE)
+    GGUF_ARCHITECTURES = ("llama",)
+    KV_CACHE_AXES = ("layers", "kv", "kv_heads", "slots", "head_dim")
+
+    @classmethod
+    def arch_from_hf(cls, cfg: dict) -> ArchConfig:
+        return ArchConfig.from_hf(cfg)
+
+    @staticmethod
+    def segments(cfg: ArchConfig) -> dict[str, dict[str, int]]:
+        """The parts of each fused parameter's last axis, in order, with their widths."""
+        H, K, D, F = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
+        qkv = {"q": H * D, "k": K * D, "v": K * D}
+        return {"wqkv": qkv, "bqkv": qkv, "w_gate_up": {"gate": F, "up": F},
+                "b_gate_up": {"gate": F, "up": F}}
+
+    @classmethod
+    def param_specs(cls, cfg: ArchConfig) -> dict[str, ParamSpec]:
+        """Every parameter by its dotted name: shape, logical axes, init and dtype role."""
+        L, E, F = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
+        H, K, D, V = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size + cfg.vocab_pad
+        norm = dict(init="ones", role="activation")
+        bias = dict(init="zeros", role="activation")
+        specs = {
+            "embed_tokens": ParamSpec((V, E), ("vocab", "embed")),
+            "norm": ParamSpec((E,), ("embed",), **norm),
+            "layers.input_norm": ParamSpec((L, E), ("layers", "embed"), **norm),
+            # the fused axes are sharded whole: device_major puts each device's part together
+            "layers.wqkv": ParamSpec((L, E, (H + 2 * K) * D), ("layers", "embed", "heads")),
+            "layers.wo": ParamSpec((L, H * D, E), ("layers", "heads", "embed")),
+            "layers.post_norm": ParamSpec((L, E), ("layers", "embed"), **norm),
+            "layers.w_gate_up": ParamSpec((L, E, 2 * F), ("layers", "embed", "mlp")),
+            "layers.w_down": ParamSpec((L, F, E), ("layers", "mlp", "embed")),
+        }
+        if cfg.qkv_bias:
+            specs["layers.bqkv"] = ParamSpec((L, (H + 2 * K) * D), ("layers", "heads"), **bias)
+        if cfg.o_bias:
+            specs["layers.bo"] = ParamSpec((L, E), ("layers", "embed"), **bias)
+        if cfg.mlp_bias:
+            specs["layers.b_gate_up"] = ParamSpec((L, 2 * F), ("layers", "mlp"), **bias)
+            specs["layers.b_down"] = ParamSpec((L, E), ("layers", "embed"), **bias)
+        if cfg.qk_norm:
+            specs["layers.q_norm"] = ParamSpec((L, D), ("layers", "head_dim"), **norm)
+            specs["layers.k_norm"] = ParamSpec((L, D), ("layers", "head_dim"), **norm)
+        if not cfg.tie_word_embeddings:
+            specs["lm_head"] = ParamSpec((E, V), ("embed", "vocab"))
+        return specs
+
+    @classmethod
+    def tp_transform(cls, weights: dict[str, np.ndarray], cfg: ArchConfig, plan) -> dict[str, np.ndarray]:
+        """Checkpoint-shaped host weights -> the runtime layout for `plan` (jaxllm.parallel):
+        KV heads repeated, MLP and vocabulary padded, fused columns device-major."""
+        if plan.size == 1:
+            return weights
+        out = dict(weights)
+        tp, D = plan.size, cfg.head_dim
+        seg = cls.segments(cfg)
+
+        def parts(name):
+            w, start, res = out[name], 0, []
+            for n in seg[name.split(".")[-1]].values():
+                res.append(w[..., start:start + n])
+                start += n
+            return res
+
+        def repeat_heads(w):
+            heads = w.shape[-1] // D
+            w = np.repeat(w.reshape(*w.shape[:-1], heads, D), plan.kv_repeat, axis=-2)
+            return w.reshape(*w.shape[:-2], heads * plan.kv_repeat * D)
+
+        def pad_last(w, n):
+            return np.pad(w, [(0, 0)] * (w.ndim - 1) + [(0, n)])
+
+        for name in ("layers.wqkv", "layers.bqkv"):
+            if name in out:
+                q, k, v = parts(name)
+                out[name] = device_major([q, repeat_heads(k), repeat_heads(v)], tp)
+        for name in ("layers.w_gate_up", "layers.b_gate_up"):
+            if name in out:
+                out[name] = device_major([pad_last(p, plan.mlp_pad) for p in parts(name)], tp)
+        if plan.mlp_pad:
+            out["layers.w_down"] = np.pad(out["layers.w_down"], ((0, 0), (0, plan.mlp_pad), (0, 0)))
+        if plan.vocab_pad:
+            out["embed_tokens"] = np.pad(out["embed_tokens"], ((0, plan.vocab_pad), (0, 0)))
+            if "lm_head" in out:
+                out["lm_head"] = pad_last(out["lm_head"], plan.vocab_pad)
+        return out
+
+    def __init__(self, cfg: ArchConfig, policy: DTypePolicy | None = None, *, rngs: nnx.Rngs,
                  attention_backend: str = "xla", mesh=None, scan_layers: bool | None = None):
         self.cfg = cfg
+        self.policy = policy = policy or uniform_policy(jnp.float32)
         self.attention_backend = attention_backend
         self.mesh = mesh  # tensor parallelism: attention runs under shard_map over it
         if scan_layers is None:
             scan_layers = platform_of(mesh) != "gpu"
         self.scan_layers = scan_layers
-        shapes = param_shapes(cfg)
-        layer_shapes = {k.split(".", 1)[1]: v for k, v in shapes.items() if k.startswith("layers.")}
-        self.embed_tokens = nnx.Param(_init("embed_tokens", shapes["embed_tokens"], dtype, rngs.params()))
-        self.layers = LlamaLayers(layer_shapes, dtype, rngs)
-        self.norm = nnx.Param(jnp.ones(shapes["norm"], dtype))
-        self.lm_head = (nnx.Param(_init("lm_head", shapes["lm_head"], dtype, rngs.params()))
-                        if "lm_head" in shapes else None)
+        specs = self.param_specs(cfg)
+
+        def param(name):
+            return nnx.Param(specs[name].initial(rngs.params(), specs[name].dtype(policy)))
+
+        self.embed_tokens = param("embed_tokens")
+        self.layers = _Layers({k.split(".", 1)[1]: param(k) for k in specs if k.startswith("layers.")})
+        self.norm = param("norm")
+        self.lm_head = param("lm_head") if "lm_head" in specs else None
 
     def compute_logits(self, h: jax.Array) -> jax.Array:
         """Final-normed hidden states [N, E] -> logits [N, V] in f32."""
         head = self.embed_tokens[...].T if self.lm_head is None else self.lm_head[...]
-        logits = (h @ head).astype(jnp.float32)
+        logits = linear(h, head, self.policy).astype(jnp.float32)
         return logits[:, :self.cfg.vocab_size] if self.cfg.vocab_pad else logits
+
+    def rope(self):
+        cfg = self.cfg
+        rot = cfg.rotary_dim or cfg.head_dim
+        return jnp.asarray(rope_inv_freq(rot, cfg.rope_theta, cfg.rope_scaling)), rope_mscale(cfg.rope_scaling)
 
     def __call__(self, kv_cache: jax.Array, input_ids: jax.Array,
                  md: AttentionMetadata) -> tuple[jax.Array, jax.Array]:
         """Returns (final-normed hidden states [T, E], new kv_cache)."""
-        cfg = self.cfg
+        cfg, pol = self.cfg, self.policy
         T = input_ids.shape[0]
-        H, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        H, K, D, F, tp = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.tp_size
         eps = cfg.rms_norm_eps
-        inv_freq = jnp.asarray(rope_inv_freq(D, cfg.rope_theta, cfg.rope_scaling))
+        inv_freq, mscale = self.rope()
         scale = D ** -0.5
-        embed = self.embed_tokens[...]
-        x = embed[input_ids]
+        x = self.embed_tokens[...][input_ids].astype(pol.activation)
 
         def layer(carry, w):
             x, kv, i = carry
             h = rms_norm(x, w["input_norm"], eps)
-            q, k, v = h @ w["wq"], h @ w["wk"], h @ w["wv"]
-            if cfg.qkv_bias:
-                q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
+            qkv = linear(h, w["wqkv"], pol, w.get("bqkv"))
+            q, k, v = split_device_major(qkv, [H * D, K * D, K * D], tp)
             q, k, v = q.reshape(T, H, D), k.reshape(T, K, D), v.reshape(T, K, D)
             if cfg.qk_norm:
                 q, k = rms_norm(q, w["q_norm"], eps), rms_norm(k, w["k_norm"], eps)
-            q = apply_rope(q, md.positions, inv_freq)
-            k = apply_rope(k, md.positions, inv_freq)
+            q = apply_rope(q, md.positions, inv_freq, mscale)
+            k = apply_rope(k, md.positions, inv_freq, mscale)
             o, kv = attention_block(q, k, v, kv, i, md, scale, cfg.sliding_window,
                                     self.attention_backend, self.mesh)
-            o = o.reshape(T, H * D) @ w["wo"]
-            x = x + (o + w["bo"] if cfg.o_bias else o)
+            x = x + linear(o.reshape(T, H * D), w["wo"], pol, w.get("bo"))
             h = rms_norm(x, w["post_norm"], eps)
-            gate, up = h @ w["w_gate"], h @ w["w_up"]
-            if cfg.mlp_bias:
-                gate, up = gate + w["b_gate"], up + w["b_up"]
-            down = (jax.nn.silu(gate) * up) @ w["w_down"]
-            x = x + (down + w["b_down"] if cfg.mlp_bias else down)
+            gate, up = split_device_major(linear(h, w["w_gate_up"], pol, w.get("b_gate_up")), [F, F], tp)
+            x = x + linear(jax.nn.silu(gate) * up, w["w_down"], pol, w.get("b_down"))
             return (x, kv, i + 1), None
 
         weights = self.layers.weights()
@@ -162,3 +257,14 @@ class LlamaForCausalLM(nnx.Module):
                 (x, kv_cache, _), _ = layer((x, kv_cache, jnp.int32(i)),
                                             {k: w[i] for k, w in weights.items()})
         return rms_norm(x, self.norm[...], eps), kv_cache
+
+
+class _Layers(nnx.Module):
+    """All decoder layers, each weight stacked over the layer axis."""
+
+    def __init__(self, params: dict[str, nnx.Param]):
+        for name, p in params.items():
+            setattr(self, name, p)
+
+    def weights(self) -> dict[str, jax.Array]:
+        return {k: v[...] for k, v in vars(self).items() if isinstance(v, nnx.Param)}

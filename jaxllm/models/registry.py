@@ -1,22 +1,45 @@
-"""HF `architectures` name -> model class."""
+"""HF `architectures` name -> model class. Each family's module is imported only when used."""
 from __future__ import annotations
 
-_LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+import importlib
+
+# architecture -> (module, class)
+_MODELS = {
+    "LlamaForCausalLM": ("jaxllm.models.llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("jaxllm.models.llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("jaxllm.models.llama", "LlamaForCausalLM"),
+    "Qwen3ForCausalLM": ("jaxllm.models.llama", "LlamaForCausalLM"),
+    "Phi3ForCausalLM": ("jaxllm.models.phi3", "Phi3ForCausalLM"),
+}
 
 
 def supported_architectures() -> tuple[str, ...]:
-    return _LLAMA_FAMILY
+    return tuple(_MODELS)
 
 
 def resolve_architecture(architectures) -> str:
     for name in architectures or ():
-        if name in _LLAMA_FAMILY:
+        if name in _MODELS:
             return name
     raise ValueError(f"unsupported architecture {list(architectures or [])}; "
-                     f"supported: {', '.join(_LLAMA_FAMILY)}")
+                     f"supported: {', '.join(_MODELS)}")
 
 
 def get_model_class(architecture: str):
-    resolve_architecture([architecture])
-    from jaxllm.models.llama import LlamaForCausalLM
-    return LlamaForCausalLM
+    module, cls = _MODELS[resolve_architecture([architecture])]
+    return getattr(importlib.import_module(module), cls)
+
+
+def model_class_for_gguf(gguf_arch: str):
+    """The model class that reads a GGUF file of llama.cpp architecture `gguf_arch`."""
+    for name in dict.fromkeys(_MODELS):
+        cls = get_model_class(name)
+        if gguf_arch in getattr(cls, "GGUF_ARCHITECTURES", ()):
+            return cls
+    known = sorted({a for n in _MODELS for a in getattr(get_model_class(n), "GGUF_ARCHITECTURES", ())})
+    raise ValueError(f"unsupported GGUF architecture {gguf_arch!r}; supported: {', '.join(known)}")
+
+
+def arch_from_hf(cfg: dict):
+    """An HF config.json dict -> ArchConfig, read by the family's own model class."""
+    return get_model_class(resolve_architecture(cfg.get("architectures"))).arch_from_hf(cfg)

@@ -82,38 +82,8 @@ def plan(arch, size: int) -> TPPlan:
 
 
 def runtime_arch(arch, p: TPPlan):
-    """The shapes the sharded model is built with."""
+    """The shapes the sharded model is built with (the model class's tp_transform turns
+    checkpoint weights into them)."""
     return replace(arch, num_kv_heads=arch.num_kv_heads * p.kv_repeat,
                    intermediate_size=arch.intermediate_size + p.mlp_pad,
-                   vocab_pad=p.vocab_pad)
-
-
-def transform_weights(weights: dict[str, np.ndarray], arch, p: TPPlan) -> dict[str, np.ndarray]:
-    """Checkpoint-shaped numpy weights -> the runtime shapes of `runtime_arch` (host side)."""
-    if p.size == 1:
-        return weights
-    out = dict(weights)
-    D = arch.head_dim
-
-    def repeat_heads(w, axis):
-        shape = list(w.shape)
-        heads = shape[axis] // D
-        w = w.reshape(shape[:axis] + [heads, D] + shape[axis + 1:])
-        w = np.repeat(w, p.kv_repeat, axis=axis)
-        return w.reshape(shape[:axis] + [heads * p.kv_repeat * D] + shape[axis + 1:])
-
-    if p.kv_repeat > 1:
-        for name in ("layers.wk", "layers.wv"):
-            out[name] = repeat_heads(out[name], 2)
-        for name in ("layers.bk", "layers.bv"):
-            if name in out:
-                out[name] = repeat_heads(out[name], 1)
-    if p.mlp_pad:
-        for name in ("layers.w_gate", "layers.w_up"):
-            out[name] = np.pad(out[name], ((0, 0), (0, 0), (0, p.mlp_pad)))
-        out["layers.w_down"] = np.pad(out["layers.w_down"], ((0, 0), (0, p.mlp_pad), (0, 0)))
-    if p.vocab_pad:
-        out["embed_tokens"] = np.pad(out["embed_tokens"], ((0, p.vocab_pad), (0, 0)))
-        if "lm_head" in out:
-            out["lm_head"] = np.pad(out["lm_head"], ((0, 0), (0, p.vocab_pad)))
-    return out
+                   vocab_pad=p.vocab_pad, tp_size=p.size)

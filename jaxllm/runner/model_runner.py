@@ -21,7 +21,7 @@ from jaxllm.core.block_pool import NULL_BLOCK
 from jaxllm.core.kv_cache_manager import cdiv
 from jaxllm.core.scheduler import SchedulerOutput
 from jaxllm.layers.attention import AttentionMetadata, kv_chunk, max_tiles, q_tile_size
-from jaxllm.models.llama import KV_CACHE_AXES
+from jaxllm.models import get_model_class
 from jaxllm.parallel import make_mesh, platform_of, sharding
 from jaxllm.parallel import multiprocess as mp
 from jaxllm.runner.block_ops import BlockOps
@@ -193,7 +193,7 @@ class ModelRunner:
             make_buckets(1, max_num_seqs))
         # one device is a mesh of one: the same sharded code path
         self.mesh = loaded.mesh if loaded.mesh is not None else make_mesh(1)
-        self.kv_sharding = sharding(self.mesh, *KV_CACHE_AXES)
+        self.kv_sharding = sharding(self.mesh, *get_model_class(self.arch.architecture).KV_CACHE_AXES)
         self.replicated = sharding(self.mesh)
         kv_shape = kv_cache_shape(self.arch, num_blocks, block_size)
         self.kv_cache = jax.jit(lambda: jnp.zeros(kv_shape, dtype), out_shardings=self.kv_sharding)()

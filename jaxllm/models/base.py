@@ -1,0 +1,74 @@
+"""What a model family declares about itself, once: its parameters (shape, logical axes,
+init, dtype role), where each checkpoint tensor goes (HF and GGUF names), its KV cache's
+axes and how tensor parallelism reshapes its weights. The loader, the sharding rules and the
+runner ask the model class; nothing outside models/ knows a family's parameter names."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxllm.layers.linear import DTypePolicy
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    shape: tuple[int, ...]
+    axes: tuple[str | None, ...]   # logical axes; jaxllm.parallel maps them to mesh axes
+    init: str = "normal"           # "normal" (std 0.02), "ones" or "zeros"
+    # dtype role: "weight" (a projection or the embedding: the policy's storage dtype) or
+    # "activation" (norm weights, biases: the policy's element-wise dtype)
+    role: str = "weight"
+
+    def dtype(self, policy: DTypePolicy):
+        return policy.weight if self.role == "weight" else policy.activation
+
+    def initial(self, key, dtype) -> jax.Array:
+        if self.init == "ones":
+            return jnp.ones(self.shape, dtype)
+        if self.init == "zeros":
+            return jnp.zeros(self.shape, dtype)
+        return (0.02 * jax.random.normal(key, self.shape, jnp.float32)).astype(dtype)
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where one checkpoint tensor goes: our parameter, whether the file stores it transposed
+    (HF and GGUF keep [out, in]), and for a fused parameter the segment of its last axis
+    (the model's `segments` give each one's offset and size)."""
+    name: str
+    transpose: bool = False
+    segment: str | None = None
+    # GGUF only: llama.cpp interleaves the rotary halves of q and k rows; the number of heads
+    # ("q" or "k") to undo that with
+    unpermute: str | None = None
+
+
+class WeightMap:
+    """A checkpoint's tensor names -> Targets: per-layer suffixes and whole-model names."""
+
+    def __init__(self, layer_re: str, layer: dict[str, Target], whole: dict[str, Target],
+                 ignored_re: str | None = None):
+        import re
+        self._layer_re = re.compile(layer_re)
+        self.layer, self.whole = layer, whole
+        self._ignored = re.compile(ignored_re) if ignored_re else None
+
+    def lookup(self, name: str) -> tuple[Target, int | None] | None:
+        """(target, layer or None); None for a tensor that is safe to skip. A tensor we do
+        not know is an error: skipping it would run a different model."""
+        if name in self.whole:
+            return self.whole[name], None
+        m = self._layer_re.fullmatch(name)
+        if m and m.group(2) in self.layer:
+            return self.layer[m.group(2)], int(m.group(1))
+        if self._ignored is not None and self._ignored.fullmatch(name):
+            return None
+        raise ValueError(f"checkpoint tensor {name} is not used by this model (unsupported "
+                         "architecture variant?)")
+
+
+def param_dtypes(specs: dict[str, ParamSpec], policy: DTypePolicy) -> dict[str, np.dtype]:
+    return {k: np.dtype(jnp.dtype(s.dtype(policy))) for k, s in specs.items()}
