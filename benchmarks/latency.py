@@ -169,7 +169,7 @@ def run(args) -> int:
             line += f"  = {entry['decode_step_over_floor']:.2f}x the HBM floor ({floor['floor_ms']:.2f} ms)"
         print(line, flush=True)
     results["engine"] = {"model": config.model or "SmolLM2-135M-Instruct (default GGUF)",
-                         "dtype": str(np.dtype(engine.dtype)), "max_num_seqs": config.max_num_seqs,
+                         "dtype": engine.policy.describe(), "max_num_seqs": config.max_num_seqs,
                          "startup_seconds": round(engine.startup_seconds, 2)}
     write_result(args, results, "latency")
     return 0

