@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 import numpy as np
 
@@ -63,7 +64,8 @@ def main() -> None:
         del llm
     a, b = outs["float32"], outs[args.dtype]
     first = [next((i for i, (x, y) in enumerate(zip(s, t)) if x != y), len(s)) for s, t in zip(a, b)]
-    result = {"machine": machine(), "model": args.model or "default GGUF", "policy": policy.describe(),
+    result = {"command": "python -m benchmarks.dtype_agreement " + " ".join(sys.argv[1:]),
+              "machine": machine(), "model": args.model or "default GGUF", "policy": policy.describe(),
               "num_prompts": args.num_prompts, "prompt_len": args.prompt_len,
               "output_len": args.output_len,
               "identical_sequences": sum(x == y for x, y in zip(a, b)),
