@@ -188,6 +188,8 @@ def run(args) -> int:
     from jaxllm.llm import LLM
 
     config = engine_config_from_args(args)
+    if args.baseline == "vllm":
+        check_vllm_args(args, config)
     base_config = dataclasses.replace(config)
     t0 = time.perf_counter()
     llm = LLM(config=config)
@@ -254,6 +256,17 @@ def run(args) -> int:
     return 0
 
 
+def check_vllm_args(args, config) -> None:
+    """Refuse a vLLM comparison that cannot run before anything is measured."""
+    if args.dataset_name == "prefix-chat":
+        raise ValueError("--baseline vllm runs the random and sharegpt workloads")
+    if not args.vllm_python:
+        raise ValueError("--baseline vllm needs --vllm-python PATH (a python that imports vllm)")
+    if not config.model or config.model.endswith(".gguf"):
+        raise ValueError("--baseline vllm needs --model DIR, an HF directory both engines read "
+                         "(../shared/tools/default-model-as-hf.py writes the default model as one)")
+
+
 def run_vllm(args, config, rounds, chat, max_model_len: int, our_tokens) -> dict:
     """vLLM on the same token-id prompts, in its own python (a subprocess)."""
     import json
@@ -261,13 +274,6 @@ def run_vllm(args, config, rounds, chat, max_model_len: int, our_tokens) -> dict
     import subprocess
     import tempfile
 
-    if chat is not None:
-        raise ValueError("--baseline vllm runs the random and sharegpt workloads")
-    if not args.vllm_python:
-        raise ValueError("--baseline vllm needs --vllm-python PATH (a python that imports vllm)")
-    if not config.model or config.model.endswith(".gguf"):
-        raise ValueError("--baseline vllm needs --model DIR, an HF directory both engines read "
-                         "(../shared/tools/default-model-as-hf.py writes the default model as one)")
     samples = [s for r in rounds for s in r]
     work = {"model": config.model, "max_model_len": max_model_len,
             "max_num_seqs": config.max_num_seqs, "iters": max(1, args.num_iters),

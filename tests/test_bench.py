@@ -170,3 +170,35 @@ def test_aot_without_cuda_compiler_says_what_to_install():
                          capture_output=True, text=True, timeout=120)
     assert res.returncode != 0
     assert 'pip install "jax[cuda13]"' in res.stderr
+
+
+FAKE_VLLM = '''#!{python}
+import json, os, sys
+script, workload = sys.argv[1], sys.argv[2]
+w = json.load(open(workload))
+assert os.path.basename(script) == "vllm_peer.py" and os.path.dirname(script) == os.getcwd()
+n = sum(w["output_lens"])
+print("RESULT " + json.dumps({{"vllm_version": "fake", "dtype": "bfloat16", "seconds": 2.0,
+      "requests": len(w["prompts"]), "requests_per_s": len(w["prompts"]) / 2.0, "output_tokens": n,
+      "output_tokens_per_s": n / 2.0, "total_tokens_per_s": n / 2.0, "cwd": os.getcwd(),
+      "tokens": [[0] * k for k in w["output_lens"]]}}))
+'''
+
+
+def test_vllm_baseline_plumbing(tiny_llama, tmp_path):
+    """--baseline vllm hands the same prompts to a python that runs vLLM (a stand-in here, as
+    CI has no vLLM), from a directory of its own, and reports the ratio; a comparison that
+    cannot run is refused before anything is measured."""
+    fake = tmp_path / "fake-python"
+    fake.write_text(FAKE_VLLM.format(python=sys.executable))
+    fake.chmod(0o755)
+    run_cli("bench", "throughput", "--model", tiny_llama, *ENGINE, "--num-prompts", "3",
+            "--input-len", "10", "--output-len", "4", "--no-hf-baseline", "--baseline", "vllm",
+            "--vllm-python", str(fake), "--results-dir", str(tmp_path), "--tag", "v")
+    r = read_json(tmp_path / "v.json")
+    v = r["vllm"]
+    assert v["output_tokens"] == 12 and v["requests"] == 3 and "tokens" not in v
+    assert not v["cwd"].startswith(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert r["ratio_vs_vllm"] == pytest.approx(r["jaxllm"]["output_tokens_per_s"] / 6.0)
+    assert v["same_tokens"] == 0  # the stand-in answers zeros
+    assert main(["bench", "throughput", "--model", tiny_llama, "--baseline", "vllm"]) == 1
