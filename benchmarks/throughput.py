@@ -33,6 +33,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="also run vLLM on the same prompts, in --vllm-python, and report the ratio")
     b.add_argument("--vllm-python", default=None,
                    help="a python that imports vllm (../shared/tools/vllm-cpu-venv.sh builds one)")
+    b.add_argument("--vllm-dtype", default=None,
+                   help="vLLM's dtype (default: its own choice, bf16 on a CPU)")
     b.add_argument("--vllm-kv-cache-gib", type=int, default=4,
                    help="vLLM CPU's KV cache (VLLM_CPU_KVCACHE_SPACE)")
     b.add_argument("--num-iters", type=int, default=1,
@@ -278,7 +280,8 @@ def run_vllm(args, config, rounds, chat, max_model_len: int, our_tokens) -> dict
     work = {"model": config.model, "max_model_len": max_model_len,
             "max_num_seqs": config.max_num_seqs, "iters": max(1, args.num_iters),
             "prompts": [s.prompt_token_ids for s in samples],
-            "output_lens": [s.output_len for s in samples]}
+            "output_lens": [s.output_len for s in samples],
+            "engine_kwargs": {"dtype": args.vllm_dtype} if args.vllm_dtype else {}}
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(args.vllm_kv_cache_gib))
     env.pop("JAX_PLATFORMS", None)
     # run from a directory of its own: next to our benchmarks/ its imports would find our

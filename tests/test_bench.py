@@ -181,7 +181,7 @@ n = sum(w["output_lens"])
 print("RESULT " + json.dumps({{"vllm_version": "fake", "dtype": "bfloat16", "seconds": 2.0,
       "requests": len(w["prompts"]), "requests_per_s": len(w["prompts"]) / 2.0, "output_tokens": n,
       "output_tokens_per_s": n / 2.0, "total_tokens_per_s": n / 2.0, "cwd": os.getcwd(),
-      "tokens": [[0] * k for k in w["output_lens"]]}}))
+      "engine_kwargs": w["engine_kwargs"], "tokens": [[0] * k for k in w["output_lens"]]}}))
 '''
 
 
@@ -194,10 +194,12 @@ def test_vllm_baseline_plumbing(tiny_llama, tmp_path):
     fake.chmod(0o755)
     run_cli("bench", "throughput", "--model", tiny_llama, *ENGINE, "--num-prompts", "3",
             "--input-len", "10", "--output-len", "4", "--no-hf-baseline", "--baseline", "vllm",
-            "--vllm-python", str(fake), "--results-dir", str(tmp_path), "--tag", "v")
+            "--vllm-python", str(fake), "--vllm-dtype", "float32", "--results-dir", str(tmp_path),
+            "--tag", "v")
     r = read_json(tmp_path / "v.json")
     v = r["vllm"]
     assert v["output_tokens"] == 12 and v["requests"] == 3 and "tokens" not in v
+    assert v["engine_kwargs"] == {"dtype": "float32"}
     assert not v["cwd"].startswith(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert r["ratio_vs_vllm"] == pytest.approx(r["jaxllm"]["output_tokens_per_s"] / 6.0)
     assert v["same_tokens"] == 0  # the stand-in answers zeros

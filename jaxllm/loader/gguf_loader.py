@@ -87,5 +87,5 @@ def load_gguf_weights(reader, cfg: ArchConfig, cls, out: StackedWeights) -> dict
         w = w.reshape([int(d) for d in reversed(t.shape)])  # GGUF lists dims inner-first
         if target.unpermute:
             w = _unpermute(w, heads[target.unpermute])
-        out.put(target, layer, w, t.name, "layers." if layer is not None else "")
+        out.put(target, layer, w, t.name)
     return out.finish()

@@ -24,10 +24,10 @@ class StackedWeights:
         self.arrays: dict[str, np.ndarray] = {}
         self.filled: dict[str, set] = {}
 
-    def put(self, target: Target, layer: int | None, value: np.ndarray, source: str,
-            prefix: str = "") -> None:
-        """Store `value` (`value.T` when the target says the file is transposed)."""
-        name = prefix + target.name
+    def put(self, target: Target, layer: int | None, value: np.ndarray, source: str) -> None:
+        """Store `value` (`value.T` when the target says the file is transposed); per-layer
+        targets name their parameter without the stack's "layers." prefix."""
+        name = target.name if layer is None else "layers." + target.name
         if name not in self.shapes:
             if name == "lm_head" and "embed_tokens" in self.shapes:
                 return  # tied embeddings: some checkpoints store the copy anyway

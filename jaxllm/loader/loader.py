@@ -133,7 +133,7 @@ def _read_weights(path: str, gguf_file: str | None, cfg_only: bool, policy: DTyp
             found = cls.HF_WEIGHTS.lookup(name)
             if found is not None:
                 target, layer = found
-                out.put(target, layer, tensor, name, "layers." if layer is not None else "")
+                out.put(target, layer, tensor, name)
     return arch, out.finish()
 
 
