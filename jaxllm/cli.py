@@ -10,6 +10,11 @@ import sys
 from jaxllm.config import EngineConfig
 
 
+def _quant_methods():
+    from jaxllm.quantization import METHODS
+    return METHODS
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None, help="HF directory or GGUF file (default: SmolLM2-135M-Instruct)")
@@ -17,6 +22,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    g.add_argument("--quantization", "-q", default=None, choices=list(_quant_methods()),
+                   help="weight quantization (default: as the checkpoint ships it)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)

@@ -22,6 +22,8 @@ class EngineConfig:
     dtype: str = "auto"
     max_model_len: int | None = None
     load_format: str = "auto"
+    # weight quantization (jaxllm.quantization); None: as the checkpoint ships
+    quantization: str | None = None
     seed: int = 0
     # KV cache
     block_size: int = 16
@@ -54,6 +56,8 @@ class EngineConfig:
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        from jaxllm.quantization import validate_method
+        validate_method(self.quantization)
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         for name in ("tensor_parallel_size", "num_processes"):

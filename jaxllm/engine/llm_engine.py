@@ -90,7 +90,7 @@ class LLMEngine:
         self.mesh = make_mesh(config.tensor_parallel_size)
         loaded = load_model(config.model, self.policy, config.load_format, config.seed,
                             config.tokenizer, attention_backend=config.attention_backend,
-                            mesh=self.mesh)
+                            mesh=self.mesh, quantization=config.quantization)
         self.arch = loaded.arch
         self.tokenizer = loaded.tokenizer
         self.eos_token_id = loaded.eos_token_id
