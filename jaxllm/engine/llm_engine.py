@@ -6,6 +6,7 @@ import os
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.config import EngineConfig
@@ -100,7 +101,7 @@ class LLMEngine:
                              f"maximum context ({model_max})")
         config.resolve(platform, model_max)
         bs = config.block_size
-        per_block = kv_bytes_per_block(self.arch, bs, self.dtype)
+        per_block = kv_bytes_per_block(self.arch, bs, self.dtype, config.kv_cache_dtype)
         self.is_follower = jax.process_index() != 0
         num_blocks = 0 if self.is_follower else self._num_blocks(platform, per_block, loaded)
         if jax.process_count() > 1:  # every process sizes its cache as process 0 did
@@ -116,7 +117,7 @@ class LLMEngine:
                                    config.scheduling_policy, config.preemption_mode)
         self.runner = ModelRunner(loaded, self.dtype, num_blocks, bs, config.max_model_len,
                                   config.max_num_seqs, config.max_num_batched_tokens,
-                                  num_host_blocks, config.attention_backend)
+                                  num_host_blocks, config.attention_backend, config.kv_cache_dtype)
         if config.warmup:
             secs = self.runner.compile_all()
             logger.info("compiled %d step shapes in %.1f s", len(self.runner.shapes.all), secs)
@@ -160,6 +161,10 @@ class LLMEngine:
         logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB); maximum concurrency "
                     "for %d-token requests: %.2fx", num, cfg.block_size, tokens,
                     num * per_block / 2**30, cfg.max_model_len, tokens / cfg.max_model_len)
+        if cfg.kv_cache_dtype != "auto":
+            plain = kv_bytes_per_block(self.arch, cfg.block_size, self.dtype)
+            logger.info("KV cache dtype %s: %.2fx the tokens of %s in the same memory",
+                        cfg.kv_cache_dtype, plain / per_block, jnp.dtype(self.dtype).name)
         return num
 
     def _profile_blocks(self, per_block: int, loaded) -> int:
@@ -174,7 +179,8 @@ class LLMEngine:
         # a runner with a 2-block cache, only to measure the largest step's scratch memory
         probe = ModelRunner(loaded, self.dtype, 2, cfg.block_size, cfg.max_model_len,
                             cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                            attention_backend=cfg.attention_backend)
+                            attention_backend=cfg.attention_backend,
+                            kv_cache_dtype=cfg.kv_cache_dtype)
         scratch = probe.activation_bytes()
         del probe
         in_use = dev.memory_stats().get("bytes_in_use", 0)

@@ -24,6 +24,7 @@ from jaxllm.layers.attention import AttentionMetadata, kv_chunk, max_tiles, q_ti
 from jaxllm.models import get_model_class
 from jaxllm.parallel import make_mesh, platform_of, sharding
 from jaxllm.parallel import multiprocess as mp
+from jaxllm.quantization import kv as kvq
 from jaxllm.runner.block_ops import BlockOps
 from jaxllm.runner.buckets import StepShapes, make_buckets
 from jaxllm.runner.input_batch import COLUMNS, InputBatch
@@ -38,9 +39,15 @@ def kv_cache_shape(arch, num_blocks: int, block_size: int) -> tuple[int, ...]:
     return (arch.num_layers, 2, arch.num_kv_heads, num_blocks * block_size, arch.head_dim)
 
 
-def kv_bytes_per_block(arch, block_size: int, dtype) -> int:
-    return (arch.num_layers * 2 * block_size * arch.num_kv_heads * arch.head_dim
-            * jnp.dtype(dtype).itemsize)
+def kv_bytes_per_block(arch, block_size: int, dtype, kv_cache_dtype: str = "auto") -> int:
+    per_value = kvq.bytes_per_value(dtype, kv_cache_dtype, arch.head_dim)
+    return int(arch.num_layers * 2 * block_size * arch.num_kv_heads * arch.head_dim * per_value)
+
+
+def kv_cache_sharding(mesh, arch, cache):
+    """The cache's shardings, shaped like the cache, from the model's KV axes."""
+    axes = kvq.cache_axes(get_model_class(arch.architecture).KV_CACHE_AXES, cache)
+    return jax.tree.map(lambda a: sharding(mesh, *a), axes, is_leaf=lambda x: isinstance(x, tuple))
 
 
 def table_width(max_model_len: int, block_size: int) -> int:
@@ -176,7 +183,7 @@ def abstract_step_inputs(T: int, S: int, block_size: int, max_blocks_per_seq: in
 class ModelRunner:
     def __init__(self, loaded, dtype, num_blocks: int, block_size: int, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, num_host_blocks: int = 0,
-                 attention_backend: str = "xla"):
+                 attention_backend: str = "xla", kv_cache_dtype: str = "auto"):
         self.arch = loaded.arch
         self.attention_backend = attention_backend
         self.graphdef = loaded.graphdef
@@ -193,13 +200,16 @@ class ModelRunner:
             make_buckets(1, max_num_seqs))
         # one device is a mesh of one: the same sharded code path
         self.mesh = loaded.mesh if loaded.mesh is not None else make_mesh(1)
-        self.kv_sharding = sharding(self.mesh, *get_model_class(self.arch.architecture).KV_CACHE_AXES)
         self.replicated = sharding(self.mesh)
         kv_shape = kv_cache_shape(self.arch, num_blocks, block_size)
-        self.kv_cache = jax.jit(lambda: jnp.zeros(kv_shape, dtype), out_shardings=self.kv_sharding)()
+        self.kv_cache_dtype = kv_cache_dtype
+        shapes = jax.eval_shape(lambda: kvq.make_cache(kv_shape, dtype, kv_cache_dtype))
+        self.kv_sharding = kv_cache_sharding(self.mesh, self.arch, shapes)
+        self.kv_cache = jax.jit(lambda: kvq.make_cache(kv_shape, dtype, kv_cache_dtype),
+                                out_shardings=self.kv_sharding)()
         self.sampler_state = jax.jit(lambda: init_state(max_num_seqs, self.vocab),
                                      out_shardings=self.replicated)()
-        self.block_ops = BlockOps(kv_shape, dtype, block_size, num_host_blocks, self.kv_sharding)
+        self.block_ops = BlockOps(shapes, block_size, num_host_blocks, self.kv_sharding)
         self.batch = InputBatch(max_num_seqs, max_model_len, self.max_blocks_per_seq)
         self._pending_rows: list[tuple[int, object]] = []  # rows whose sampler state to rebuild
         self._compiled: dict[tuple[int, int], object] = {}
