@@ -164,6 +164,7 @@ def main(argv=None) -> int:
             ("serve", "serve", "online load against an OpenAI-compatible server", False),
             ("kernels", "kernels", "paged-attention kernels against measured peaks", False),
             ("dots", "dots", "the dtype forms of a projection's dot on this machine", False),
+            ("quality", "quality", "perplexity and greedy agreement per weight format", False),
             ("aot", "gpu_aot", "compile kernels and engine step for a GPU without one", False)):
         mod = importlib.import_module(f"benchmarks.{module}")
         b = bench.add_parser(name, help=help_)

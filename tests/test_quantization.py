@@ -43,7 +43,7 @@ def test_int4_packing_round_trip_and_layout():
 @pytest.mark.parametrize("kind,group", [("int8", None), ("int8", 32), ("int4", 32), ("int4", 128), ("fp8", None)])
 def test_online_quantizers_round_to_nearest(kind, group):
     w = RNG.standard_normal((6, 256)).astype(np.float32)
-    w[0] = 0.25  # a constant row: zero range in every group
+    w[0] = 0.25  # a constant row: zero range in every group (int4 holds it exactly)
     h = {"int8": lambda: F.quantize_int8(w, group), "int4": lambda: F.quantize_int4(w, group),
          "fp8": lambda: F.quantize_fp8(w)}[kind]()
     deq = h.dequantize()
@@ -56,7 +56,12 @@ def test_online_quantizers_round_to_nearest(kind, group):
     codes = h.codes()
     assert (codes.min(), codes.max()) >= ((0, 0) if kind == "int4" else (-127, -127))
     assert codes.max() <= (15 if kind == "int4" else 127)
-    np.testing.assert_allclose(deq[0], 0.25, rtol=1e-6)
+    if kind == "int4":
+        np.testing.assert_array_equal(deq[0], 0.25)
+    # scales (and offsets) are rounded to float16 so that they are stored exactly in it
+    compact = h.compact()
+    assert compact.scale.dtype == np.float16
+    np.testing.assert_array_equal(compact.dequantize(), deq)
 
 
 def _random_blocks(qtype, rows: int, cols: int) -> np.ndarray:
@@ -105,8 +110,9 @@ def test_checkpoint_packers_unpack_to_their_weights():
 
 # kernels
 CASES = {
+    "int4 g64 float16 scales": lambda w: F.quantize_int4(w, 64).compact(),
     "int4 g64": lambda w: F.quantize_int4(w, 64),
-    "int8 per channel": lambda w: F.quantize_int8(w),
+    "int8 per channel": lambda w: F.quantize_int8(w).compact(),
     "int8 g16 with offsets": lambda w: F.HostQuant("int8", F.quantize_int8(w, 16).q, F.quantize_int8(w, 16).scale,
                                                    RNG.standard_normal((*w.shape[:-1], w.shape[-1] // 16)).astype(np.float32)),
 }
@@ -119,6 +125,8 @@ def test_cpu_kernels_match_the_xla_path(case):
         pytest.fail("the CPU kernels did not build here (see the warning)")
     w = RNG.standard_normal((3, 70, 192)).astype(np.float32)  # 3 layers, N not a multiple of 4
     h = CASES.get(case, CASES["int8 per channel"])(w)
+    assert h.scale.dtype == (np.float16 if "float16" in case or "per channel" in case or "w8a8" in case
+                             else np.float32)
     act = "int8" if case.startswith("w8a8") else "none"
     smooth = jnp.asarray(RNG.uniform(0.5, 2.0, (3, 192)).astype(np.float32)) if "smooth" in case else None
     parts = [jnp.asarray(a) if a is not None else None for a in (h.q, h.scale, h.offset)]

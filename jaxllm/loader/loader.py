@@ -7,7 +7,7 @@ import json
 import logging
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import jax
@@ -311,6 +311,9 @@ def load_model(model: str | None, policy, load_format: str = "auto", seed: int =
             layouts = {n: (lay if n not in ("embed_tokens", "lm_head")
                            else qmethods.QuantLayout(lay.kind, lay.group, lay.offset))
                        for n, lay in layouts.items()}
+    if weights is not None:  # float16 scales where exact (fewer bytes per step)
+        weights = {k: v.compact() if isinstance(v, HostQuant) else v for k, v in weights.items()}
+        layouts = {k: replace(lay, scale_dtype=weights[k].scale.dtype.name) for k, lay in layouts.items()}
     quant = None
     if layouts:
         quant = qmethods.QuantSpec(method, tuple(sorted(layouts.items())), quant_backend(mesh))

@@ -43,6 +43,7 @@ class QuantLayout:
     offset: bool = False
     smooth: bool = False
     act: str = "none"
+    scale_dtype: str = "float32"  # of scale and offset: float16 where exact (formats.py)
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,7 @@ class QuantSpec:
 
 
 def layout_of(h: HostQuant, act: str = "none", smooth: bool = False) -> QuantLayout:
-    return QuantLayout(h.kind, h.group, h.offset is not None, smooth, act)
+    return QuantLayout(h.kind, h.group, h.offset is not None, smooth, act, h.scale.dtype.name)
 
 
 def out_in(spec_shape: tuple[int, ...], matrix: str) -> tuple[int, int]:
@@ -88,10 +89,11 @@ def part_specs(name: str, spec, layout: QuantLayout) -> dict:
     group_axes = axes if K // layout.group > 1 else (*lead_axes, ax_out, None)
     out = {f"{name}.q": ParamSpec((*lead, N, width), axes, init=f"codes_{layout.kind}",
                                   dtype=code_dtype),
-           f"{name}.scale": ParamSpec(groups, group_axes, init=f"scale_{layout.kind}", dtype=jnp.float32)}
+           f"{name}.scale": ParamSpec(groups, group_axes, init=f"scale_{layout.kind}",
+                                      dtype=jnp.dtype(layout.scale_dtype))}
     if layout.offset:
         out[f"{name}.offset"] = ParamSpec(groups, group_axes, init=f"offset_{layout.kind}",
-                                          dtype=jnp.float32)
+                                          dtype=jnp.dtype(layout.scale_dtype))
     if layout.smooth:
         out[f"{name}.smooth"] = ParamSpec((*lead, K), (*lead_axes, ax_in), init="ones",
                                           dtype=jnp.float32)
@@ -119,12 +121,12 @@ def online_layout(method: str, name: str, spec) -> QuantLayout | None:
     N, K = out_in(spec.shape, spec.matrix)
     head = name in ("embed_tokens", "lm_head")
     if method == "int8":
-        return QuantLayout("int8", K)
+        return QuantLayout("int8", K, scale_dtype="float16")
     if method == "int4":
         from jaxllm.quantization.formats import int4_group
-        return QuantLayout("int4", int4_group(K, INT4_GROUP), offset=True)
+        return QuantLayout("int4", int4_group(K, INT4_GROUP), offset=True, scale_dtype="float16")
     if method == "w8a8":
-        return QuantLayout("int8", K) if head else QuantLayout("int8", K, act="int8")
+        return QuantLayout("int8", K, scale_dtype="float16") if head else QuantLayout("int8", K, act="int8")
     if method == "fp8":
         return None if head else QuantLayout("fp8", K, act="fp8")
     raise ValueError(f"{method!r} is not an online quantization method")

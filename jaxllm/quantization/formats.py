@@ -5,11 +5,13 @@ without dequantizing.
 Our layouts are out-major, like the checkpoints: a matrix W of shape [N out, K in] is
   int4: `q` uint8 [N, K/2] holding 4-bit codes 0..15 in blocks of 32 along K (byte j of a
         block holds code j in its low nibble and code j + 16 in its high one, which is GGUF's
-        Q4 layout), `scale` and `offset` float32 [N, K/G]: W = code * scale + offset;
+        Q4 layout), `scale` and `offset` [N, K/G]: W = code * scale + offset;
   int8: `q` int8 [N, K], `scale` [N, K/G] and an optional `offset` [N, K/G];
   fp8:  `q` float8_e4m3fn [N, K], `scale` [N, 1] (per output channel).
 G is the group size along K (G = K: one scale per output channel). Stacked layers add a
-leading axis.
+leading axis. Scales and offsets are float16 where every one of them is exactly a float16
+(GGUF's own d and m, our online quantizers' rounded ones), float32 otherwise: at groups of 32
+they are a fifth of int4's bytes in float32.
 """
 from __future__ import annotations
 
@@ -31,6 +33,11 @@ class HostQuant:
     scale: np.ndarray
     offset: np.ndarray | None = None
 
+    def compact(self) -> "HostQuant":
+        """The same weights with float16 scales and offsets where that is exact."""
+        scale, offset = compact_scales(self.scale, self.offset, self.kind != "fp8")
+        return HostQuant(self.kind, self.q, scale, offset)
+
     @property
     def group(self) -> int:
         return self.in_features // self.scale.shape[-1]
@@ -51,14 +58,30 @@ class HostQuant:
         """W [.., N, K] in float32 (the reference the tests hold every path to)."""
         c = self.codes().astype(np.float32)
         g = self.group
-        w = c.reshape(*c.shape[:-1], -1, g) * self.scale[..., None]
+        w = c.reshape(*c.shape[:-1], -1, g) * self.scale.astype(np.float32)[..., None]
         if self.offset is not None:
-            w = w + self.offset[..., None]
+            w = w + self.offset.astype(np.float32)[..., None]
         return w.reshape(c.shape)
 
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in (self.q, self.scale, self.offset) if a is not None)
+
+
+def compact_scales(scale, offset, allow_f16: bool = True):
+    """float16 copies of scale and offset when both hold exactly, else float32."""
+    arrs = [np.asarray(a, np.float32) for a in (scale, offset) if a is not None]
+    if allow_f16 and all(np.array_equal(a.astype(np.float16).astype(np.float32), a) for a in arrs):
+        dt = np.float16
+    else:
+        dt = np.float32
+    return np.asarray(scale).astype(dt), None if offset is None else np.asarray(offset).astype(dt)
+
+
+def _f16_round(x: np.ndarray) -> np.ndarray:
+    """Round to the nearest float16 (kept as float32), unless that overflows."""
+    y = x.astype(np.float16).astype(np.float32)
+    return np.where(np.isfinite(y), y, x).astype(np.float32)
 
 
 # int4 packing
@@ -90,7 +113,7 @@ def quantize_int8(w: np.ndarray, group: int | None = None) -> HostQuant:
     """Symmetric int8, one scale per output channel (group=None) or per group along K."""
     w = np.asarray(w, np.float32)
     g = _groups(w, group or w.shape[-1])
-    scale = np.abs(g).max(-1) / 127.0
+    scale = _f16_round(np.abs(g).max(-1) / 127.0)
     inv = np.where(scale > 0, 1.0 / np.where(scale > 0, scale, 1.0), 0.0)
     q = np.clip(np.rint(g * inv[..., None]), -127, 127).astype(np.int8)
     return HostQuant("int8", q.reshape(w.shape), scale.astype(np.float32))
@@ -100,8 +123,9 @@ def quantize_int4(w: np.ndarray, group: int = 128) -> HostQuant:
     """Asymmetric int4 per group along K: W = code * scale + offset, codes 0..15."""
     w = np.asarray(w, np.float32)
     g = _groups(w, group)
-    lo, hi = g.min(-1), g.max(-1)
-    scale = (hi - lo) / 15.0
+    lo = _f16_round(g.min(-1))
+    hi = g.max(-1)
+    scale = _f16_round((hi - lo) / 15.0)
     inv = np.where(scale > 0, 1.0 / np.where(scale > 0, scale, 1.0), 0.0)
     codes = np.clip(np.rint((g - lo[..., None]) * inv[..., None]), 0, 15).astype(np.uint8)
     return HostQuant("int4", pack_int4(codes.reshape(w.shape)), scale.astype(np.float32),
@@ -151,6 +175,9 @@ def common_layout(parts: list[HostQuant]) -> list[HostQuant]:
     kinds = {p.kind for p in parts}
     if "fp8" in kinds and kinds != {"fp8"}:
         raise ValueError(f"cannot fuse fp8 weights with {sorted(kinds - {'fp8'})} ones")
+    if len({p.scale.dtype for p in parts}) > 1:  # float16 next to float32: all float32
+        parts = [HostQuant(p.kind, p.q, p.scale.astype(np.float32),
+                           None if p.offset is None else p.offset.astype(np.float32)) for p in parts]
     if kinds == {"int4", "int8"}:
         parts = [as_int8(p) for p in parts]
     group = min(p.group for p in parts)

@@ -195,11 +195,14 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_blocks_per_seq = table_width(max_model_len, block_size)
-        self.shapes = StepShapes(
-            make_buckets(min(16, max_num_batched_tokens), max_num_batched_tokens, linear_from=1024),
-            make_buckets(1, max_num_seqs))
         # one device is a mesh of one: the same sharded code path
         self.mesh = loaded.mesh if loaded.mesh is not None else make_mesh(1)
+        # on a CPU a step's cost follows its padded tokens: small decode batches get shapes
+        # of their own instead of padding to 16 tokens
+        decode = [1, 2, 4, 8] if platform_of(self.mesh) == "cpu" else []
+        self.shapes = StepShapes(
+            make_buckets(min(16, max_num_batched_tokens), max_num_batched_tokens, linear_from=1024),
+            make_buckets(1, max_num_seqs), decode_buckets=decode)
         self.replicated = sharding(self.mesh)
         kv_shape = kv_cache_shape(self.arch, num_blocks, block_size)
         self.kv_cache_dtype = kv_cache_dtype

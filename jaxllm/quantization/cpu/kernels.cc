@@ -10,7 +10,7 @@
 // Weights are stacks [L, N, K'] (out-major, formats.py) and a scalar layer index picks one,
 // so no slice of the stack is ever copied. int4: uint8 [L, N, K/2], two codes per byte in
 // blocks of 32 (byte j: code j low, code j + 16 high); int8: int8 [L, N, K]; scale and offset
-// f32 [L, N, K/G]. Rows of N are split over XLA's intra-op thread pool.
+// float16 or float32 [L, N, K/G]. Rows of N are split over XLA's intra-op thread pool.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -18,6 +18,7 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <thread>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -49,17 +50,53 @@ void parallel_rows(ffi::ThreadPool& pool, int64_t N, int64_t chunk, F fn) {
   int64_t threads = std::max<int64_t>(1, pool.num_threads());
   for (int64_t t = 1; t < threads && t < chunks; ++t) pool.Schedule(std::function<void()>(work));
   work();
-  while (st->done.load() < chunks) {
-#if defined(__AVX512F__)
-    _mm_pause();
-#endif
+  // the last chunks finish on other threads: spin briefly, then give the core away (on a
+  // busy machine a spinning waiter would keep the thread it waits for off the CPU)
+  for (int spins = 0; st->done.load() < chunks; ++spins) {
+    if (spins > 4000) std::this_thread::yield();
   }
 }
 
+// float16 or float32 scales
+inline float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0) {
+    if (man == 0) {
+      bits = sign;
+    } else {  // subnormal
+      int e = -1;
+      uint32_t m = man;
+      do { ++e; m <<= 1; } while (!(m & 0x400u));
+      bits = sign | ((127 - 15 - e) << 23) | ((m & 0x3ffu) << 13);
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else {
+    bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+#endif
+}
+
+struct Scales {
+  const void* p = nullptr;
+  bool f16 = false;
+  inline float operator[](int64_t i) const {
+    return f16 ? half_to_float(static_cast<const uint16_t*>(p)[i]) : static_cast<const float*>(p)[i];
+  }
+  explicit operator bool() const { return p != nullptr; }
+};
+
 struct QMat {
-  const void* q;       // codes of the chosen layer
-  const float* scale;  // [N, K/G]
-  const float* offset; // [N, K/G] or null
+  const void* q;   // codes of the chosen layer
+  Scales scale;    // [N, K/G]
+  Scales offset;   // [N, K/G] or null
   int64_t N, K, G;
   bool int4;
 };
@@ -166,8 +203,20 @@ ffi::Error check_layer(int64_t layer, int64_t L) {
   return ffi::Error::Success();
 }
 
+bool scale_type(const ffi::AnyBuffer& b, bool* f16) {
+  *f16 = b.element_type() == ffi::DataType::F16;
+  return *f16 || b.element_type() == ffi::DataType::F32;
+}
+
+Scales scales_at(const ffi::AnyBuffer& b, bool f16, int64_t offset_elems) {
+  Scales s;
+  s.f16 = f16;
+  s.p = static_cast<const char*>(b.untyped_data()) + offset_elems * (f16 ? 2 : 4);
+  return s;
+}
+
 ffi::Error QmmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q,
-                   ffi::Buffer<ffi::F32> scale, std::optional<ffi::Buffer<ffi::F32>> offset,
+                   ffi::AnyBuffer scale, std::optional<ffi::AnyBuffer> offset,
                    ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions(), qd = q.dimensions(), sd = scale.dimensions();
   if (xd.size() != 2 || qd.size() != 3 || sd.size() != 3)
@@ -178,6 +227,9 @@ ffi::Error QmmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer
   const int64_t M = xd[0], K = xd[1], L = qd[0], N = qd[1];
   if (qd[2] * (int4 ? 2 : 1) != K || K % 32 || sd[1] != N || K % sd[2] || (K / sd[2]) % 16)
     return ffi::Error::InvalidArgument("qmm: shapes do not match");
+  bool f16 = false, f16o = false;
+  if (!scale_type(scale, &f16) || (offset && (!scale_type(*offset, &f16o) || f16o != f16)))
+    return ffi::Error::InvalidArgument("qmm: scale and offset must both be float16 or float32");
   const int64_t l = *layer.typed_data();
   if (auto e = check_layer(l, L); e.failure()) return e;
   QMat w;
@@ -187,8 +239,8 @@ ffi::Error QmmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer
   w.G = K / sd[2];
   const int64_t per_layer_codes = N * qd[2];
   w.q = static_cast<const uint8_t*>(q.untyped_data()) + l * per_layer_codes;
-  w.scale = scale.typed_data() + l * N * sd[2];
-  w.offset = offset ? offset->typed_data() + l * N * sd[2] : nullptr;
+  w.scale = scales_at(scale, f16, l * N * sd[2]);
+  if (offset) w.offset = scales_at(*offset, f16, l * N * sd[2]);
   const float* xp = x.typed_data();
   float* yp = y->typed_data();
   parallel_rows(pool, N, 64, [=](int64_t n0, int64_t n1) { qmm_rows(w, xp, M, n0, n1, yp); });
@@ -196,13 +248,13 @@ ffi::Error QmmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer
 }
 
 ffi::Error QmmOffset(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q,
-                     ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> offset,
+                     ffi::AnyBuffer scale, ffi::AnyBuffer offset,
                      ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
   return QmmImpl(pool, x, q, scale, offset, layer, y);
 }
 
 ffi::Error QmmSym(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q,
-                  ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::S32> layer,
+                  ffi::AnyBuffer scale, ffi::Buffer<ffi::S32> layer,
                   ffi::ResultBuffer<ffi::F32> y) {
   return QmmImpl(pool, x, q, scale, std::nullopt, layer, y);
 }
@@ -293,7 +345,7 @@ void w8a8_rows(const int8_t* w, const float* ws, const uint8_t* xu, const float*
 #endif
 
 ffi::Error W8A8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
-                    ffi::Buffer<ffi::F32> scale, std::optional<ffi::Buffer<ffi::F32>> smooth,
+                    ffi::AnyBuffer scale, std::optional<ffi::Buffer<ffi::F32>> smooth,
                     ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions(), qd = q.dimensions(), sd = scale.dimensions();
   if (xd.size() != 2 || qd.size() != 3 || sd.size() != 3)
@@ -304,26 +356,32 @@ ffi::Error W8A8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   const int64_t l = *layer.typed_data();
   if (auto e = check_layer(l, L); e.failure()) return e;
   const int8_t* w = q.typed_data() + l * N * K;
-  const float* ws = scale.typed_data() + l * N;
+  bool f16 = false;
+  if (!scale_type(scale, &f16)) return ffi::Error::InvalidArgument("w8a8: scale must be float16 or float32");
+  // per-channel scales as float32 (N values: a copy costs nothing)
+  auto wsv = std::make_shared<std::vector<float>>(N);
+  const Scales sc = scales_at(scale, f16, l * N);
+  for (int64_t n = 0; n < N; ++n) (*wsv)[n] = sc[n];
+  const float* ws = wsv->data();
   const float* sm = smooth ? smooth->typed_data() + l * K : nullptr;
   auto xu = std::make_shared<std::vector<uint8_t>>(M * K);
   auto xs = std::make_shared<std::vector<float>>(M);
   quantize_rows(x.typed_data(), sm, M, K, xu->data(), xs->data());
   float* yp = y->typed_data();
   parallel_rows(pool, N, 64, [=](int64_t n0, int64_t n1) {
-    w8a8_rows(w, ws, xu->data(), xs->data(), M, K, n0, n1, yp, N);
+    w8a8_rows(w, wsv->data(), xu->data(), xs->data(), M, K, n0, n1, yp, N);
   });
   return ffi::Error::Success();
 }
 
 ffi::Error W8A8Plain(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
-                     ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::S32> layer,
+                     ffi::AnyBuffer scale, ffi::Buffer<ffi::S32> layer,
                      ffi::ResultBuffer<ffi::F32> y) {
   return W8A8Impl(pool, x, q, scale, std::nullopt, layer, y);
 }
 
 ffi::Error W8A8Smooth(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
-                      ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> smooth,
+                      ffi::AnyBuffer scale, ffi::Buffer<ffi::F32> smooth,
                       ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
   return W8A8Impl(pool, x, q, scale, smooth, layer, y);
 }
@@ -335,8 +393,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmQmm, QmmOffset,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
@@ -345,7 +403,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmQmmSym, QmmSym,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
@@ -354,7 +412,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmW8A8, W8A8Plain,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
@@ -363,7 +421,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmW8A8Smooth, W8A8Smooth,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
