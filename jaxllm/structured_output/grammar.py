@@ -14,6 +14,11 @@ import numpy as np
 
 from jaxllm.sampling_params import StructuredOutputsParams
 
+# JSON's whitespace between tokens, where the constraint leaves it free: at most one line break
+# and an indentation per gap. Any pretty-printing fits; a model cannot pad forever (with
+# unbounded whitespace small models were seen writing newlines until max_tokens).
+JSON_WHITESPACE = r"(\r?\n)?[\x20\x09]{0,48}"
+
 _PROPERTY_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _SUBSCHEMAS = ("additionalProperties", "items", "prefixItems", "allOf", "anyOf", "oneOf", "not",
                "if", "then", "else", "contains", "propertyNames")
@@ -50,8 +55,8 @@ def serialize(p: StructuredOutputsParams) -> str:
             schema = copy.deepcopy(schema)
             _close_objects(schema)
         options = {"whitespace_flexible": not p.disable_any_whitespace}
-        if p.whitespace_pattern is not None:
-            options["whitespace_pattern"] = p.whitespace_pattern
+        if not p.disable_any_whitespace:
+            options["whitespace_pattern"] = p.whitespace_pattern or JSON_WHITESPACE
         return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
     if kind == "regex":
         # \d, \w and \s in their ASCII sense (as xgrammar, vLLM's default backend, has them):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -52,6 +53,8 @@ class StructuredOutputManager:
         self._ll_tokenizer: Future | None = None
         self._executor = None
         self.num_compiled = 0
+        self.num_masks = 0        # steps that computed a bitmask, and the host time it took
+        self.mask_seconds = 0.0
 
     # compilation
     def prepare(self, params: StructuredOutputsParams) -> GrammarSpec:
@@ -118,12 +121,15 @@ class StructuredOutputManager:
         import llguidance
         if not rows:
             return None
+        start = time.perf_counter()
         n_vocab = self._tokenizer().result().vocab_size
         mask = np.full((num_rows, words(n_vocab)), -1, np.int32)
         if self._executor is None:
             self._executor = llguidance.LLExecutor()
         fill_next_token_bitmask_par(self._executor, [(g.matcher, i) for i, g in rows], mask)
         width = words(self.vocab_size)
+        self.num_masks += 1
+        self.mask_seconds += time.perf_counter() - start
         return mask if mask.shape[1] == width else np.ascontiguousarray(mask[:, :width])
 
     def shutdown(self) -> None:
