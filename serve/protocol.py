@@ -69,7 +69,7 @@ class StreamOptions(_Model):
 class StructuredOutputs(_Model):
     """vLLM's `structured_outputs`: one constraint of json, regex, choice, grammar (Lark or
     EBNF) or json_object."""
-    json: dict | bool | str | None = None
+    json_: dict | bool | str | None = Field(None, alias="json")  # `json` is a BaseModel method
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
@@ -80,7 +80,8 @@ class StructuredOutputs(_Model):
     structural_tag: str | None = None
 
     def to_params(self) -> StructuredOutputsParams:
-        return StructuredOutputsParams(**{k: getattr(self, k) for k in type(self).model_fields})
+        return StructuredOutputsParams(**{k.rstrip("_"): getattr(self, k)
+                                          for k in type(self).model_fields})
 
 
 class JsonSchemaFormat(_Model):
@@ -351,7 +352,10 @@ def tools_schema(tools: list[Tool], parallel: bool) -> dict:
     alternatives = []
     for t in tools:
         params = dict(t.template_dict()["function"]["parameters"])
-        for name, d in params.pop("$defs", {}).items():
+        own = params.pop("$defs", {})
+        if not isinstance(own, dict):
+            raise ValueError(f"tools: $defs of {t.function.name!r} must be an object")
+        for name, d in own.items():
             if defs.setdefault(name, d) != d:
                 raise ValueError(f"tools: the $defs entry {name!r} differs between functions")
         alternatives.append({"type": "object", "properties": {
