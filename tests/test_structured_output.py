@@ -145,6 +145,14 @@ def test_choices_with_quotes_and_backslashes(manager):
     assert g.validate(manager.tokenizer.encode("say hi", add_special_tokens=False)) < 3
 
 
+def test_gbnf_grammar(manager):
+    g = manager.grammar(manager.compile(manager.prepare(SO(
+        grammar='root ::= "x" [0-9]+ ("," "x" [0-9]+)*'))).result())
+    ids = manager.tokenizer.encode("x12,x7", add_special_tokens=False)
+    assert g.validate(ids) == len(ids) and g.accept(ids)
+    assert g.validate(manager.tokenizer.encode(",y", add_special_tokens=False)) == 1  # "," only
+
+
 # valid on its own, but the tokenizer has no such special token: fails only when compiled
 UNCOMPILABLE = SO(grammar='start: "a" <|no_such_token|>')
 

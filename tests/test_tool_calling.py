@@ -162,6 +162,10 @@ def test_auto_tool_choice_parses_the_models_calls(client):
     assert content == "I will check. " and reasons == ["tool_calls"]
     assert [json.loads(c["arguments"]) for c in calls.values()] == \
         [json.loads(t.function.arguments) for t in choice.message.tool_calls]
+    # tool_choice none: the same text stays content
+    r = client.chat.completions.create(**kw, tool_choice="none")
+    assert not r.choices[0].message.tool_calls and r.choices[0].finish_reason == "stop"
+    assert r.choices[0].message.content.startswith("I will check. <tool_call>")
     # without calls in the text, auto answers with content
     r = client.chat.completions.create(model=MODEL, messages=MSG, tools=[WEATHER], max_tokens=8,
                                        extra_body={"structured_outputs": {"choice": ["No tools."]}})
