@@ -169,8 +169,10 @@ def compile_steps(mesh, device_memory: int, args) -> dict:
     from jaxllm.layers.linear import uniform_policy
     from jaxllm.models.registry import arch_from_hf, get_model_class
     from jaxllm.parallel import plan, runtime_arch, sharding
-    from jaxllm.runner.model_runner import (abstract_step_inputs, build_step, kv_bytes_per_block,
-                                            kv_cache_shape, step_compiler_options, table_width)
+    from jaxllm.runner.model_runner import (abstract_sample_inputs, abstract_step_inputs,
+                                            build_forward, build_sample, kv_bytes_per_block,
+                                            kv_cache_shape, step_compiler_options,
+                                            step_scratch_bytes, table_width)
     from jaxllm.runner.sampler import init_state
     import json
 
@@ -208,7 +210,8 @@ def compile_steps(mesh, device_memory: int, args) -> dict:
                                                        args.kv_cache_dtype))
         return shapes, kv_cache_sharding(mesh, arch, shapes)
 
-    step = build_step(graphdef, arch.vocab_size, shardings, cache(2)[1], rep)
+    forward = build_forward(graphdef, arch.vocab_size, shardings, cache(2)[1], rep)
+    sample = build_sample(rep)
 
     def compile_one(T, S, num_blocks):
         shapes, kv_sh = cache(num_blocks)
@@ -216,13 +219,21 @@ def compile_steps(mesh, device_memory: int, args) -> dict:
         ins = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep),
                            abstract_step_inputs(T, S, bs, width, qt_of(T)))
         t0 = time.perf_counter()
-        exe = step.lower(state, kv, sampler, *ins).compile(step_compiler_options("gpu"))
+        exe = forward.lower(state, kv, sampler, *ins).compile(step_compiler_options("gpu"))
         return exe, time.perf_counter() - t0
 
+    def compile_sample(S):
+        ins = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep),
+                           abstract_sample_inputs(S, arch.vocab_size,
+                                                  abstract_step_inputs(S, S, bs, width, qt_of(S))[-1]))
+        logits, smd, mask, use = ins
+        return sample.lower(logits, sampler, smd, mask, use).compile(step_compiler_options("gpu"))
+
     # as the engine sizes the cache: a 2-block probe of the largest step measures its scratch
+    # (its forward pass and its sampling are two compiled calls)
     T_max, S_max = max(steps)
     probe, _ = compile_one(T_max, S_max, 2)
-    scratch = int(probe.memory_analysis().temp_size_in_bytes)
+    scratch = step_scratch_bytes(probe, compile_sample(S_max), S_max, arch.vocab_size)
     per_block = kv_bytes_per_block(arch, bs, dtype, args.kv_cache_dtype)
     # the engine gives JAX's allocator gpu_memory_utilization of the device, then sizes the cache
     util = args.gpu_memory_utilization

@@ -119,8 +119,11 @@ def cmd_serve(args) -> int:
         if args.model is not None and args.model != args.model_tag:
             raise SystemExit("give the model once: as MODEL or as --model")
         args.model = args.model_tag
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser")
     return run_server(engine_config_from_args(args), args.host, args.port, args.served_model_name,
-                      args.api_key, args.max_queue_len, args.shutdown_timeout, args.log_interval)
+                      args.api_key, args.max_queue_len, args.shutdown_timeout, args.log_interval,
+                      args.tool_call_parser if args.enable_auto_tool_choice else None)
 
 
 def main(argv=None) -> int:
@@ -153,6 +156,11 @@ def main(argv=None) -> int:
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on SIGTERM")
     p.add_argument("--log-interval", type=float, default=10.0, help="seconds between stats lines")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='let the model decide when to call tools (tool_choice "auto")')
+    p.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
+                   help="how the model writes tool calls: hermes (<tool_call> JSON: Qwen, "
+                        "Hermes, SmolLM3 templates) or llama3_json (Llama 3.x)")
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
 
@@ -161,6 +169,8 @@ def main(argv=None) -> int:
     for name, module, help_, engine in (
             ("throughput", "throughput", "offline throughput against HF transformers", True),
             ("latency", "latency", "TTFT and decode step time at batch 1 and N", True),
+            ("structured", "structured", "JSON-schema requests against free ones; grammar TTFT",
+             True),
             ("serve", "serve", "online load against an OpenAI-compatible server", False),
             ("kernels", "kernels", "paged-attention kernels against measured peaks", False),
             ("dots", "dots", "the dtype forms of a projection's dot on this machine", False),

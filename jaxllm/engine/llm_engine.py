@@ -1,6 +1,7 @@
 """LLMEngine: add_request / step / abort_request, as in vLLM."""
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import time
@@ -23,6 +24,7 @@ from jaxllm.parallel import multiprocess as mp
 from jaxllm.runner.model_runner import InFlight, ModelRunner, kv_bytes_per_block
 from jaxllm.core.scheduler import SchedulerOutput
 from jaxllm.sampling_params import SamplingParams
+from jaxllm.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger("jaxllm")
 
@@ -120,9 +122,17 @@ class LLMEngine:
                                   num_host_blocks, config.attention_backend, config.kv_cache_dtype)
         if config.warmup:
             secs = self.runner.compile_all()
-            logger.info("compiled %d step shapes in %.1f s", len(self.runner.shapes.all), secs)
+            logger.info("compiled %d step shapes (forward %d, sampling %d) in %.1f s",
+                        self.runner.num_compiled, len(self.runner.shapes.all),
+                        len(self.runner.sample_buckets), secs)
         self._rng = np.random.default_rng(config.seed)
-        self.inputs = InputProcessor(self.tokenizer, self.arch.vocab_size, config.max_model_len)
+        self.structured = StructuredOutputManager(self.tokenizer, self.arch.vocab_size,
+                                                  self.eos_token_id)
+        # structured requests whose grammar is still compiling: id -> (compiled future,
+        # sequences); they join the scheduler when it is ready
+        self._awaiting_grammar: dict[str, tuple[concurrent.futures.Future, list[Request]]] = {}
+        self.inputs = InputProcessor(self.tokenizer, self.arch.vocab_size, config.max_model_len,
+                                     self.structured)
         self.outputs = OutputProcessor(self.tokenizer)
         # async scheduling: the step dispatched last, whose tokens the host has not read yet
         self._in_flight: tuple[SchedulerOutput, InFlight | None] | None = None
@@ -235,12 +245,79 @@ class LLMEngine:
                           parent_id=request_id)
             req.bad_word_ids = req_in.bad_word_ids
             reqs.append(req)
+        compiled = None
+        if req_in.grammar is not None:
+            compiled = self.structured.compile(req_in.grammar)
+            if not compiled.done():  # it waits outside the scheduler, steps go on
+                self.outputs.add(request_id, req_in.prompt, req_in.prompt_token_ids, params,
+                                 reqs, arrival)
+                self._awaiting_grammar[request_id] = (compiled, reqs)
+                return
+            self._attach_grammars(reqs, compiled.result())  # a failure raises ValueError here
         # siblings of a parallel-sampling request start from the first one's prompt blocks
         self.scheduler.add_request(reqs[0], reqs[1:])
         # only once the scheduler has taken it: a refused request leaves nothing behind
         self.outputs.add(request_id, req_in.prompt, req_in.prompt_token_ids, params, reqs, arrival)
         if any(len(w) > 1 for w in req_in.bad_word_ids or ()):
             self._needs_sync.add(request_id)
+
+    # structured outputs
+    def _attach_grammars(self, reqs: list[Request], compiled) -> None:
+        for req in reqs:
+            req.grammar = self.structured.grammar(compiled)
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Requests whose grammar finished compiling join the scheduler; one whose grammar
+        failed ends (aborted, the error logged; the server compiles before submitting, so its
+        clients get a 400 instead)."""
+        if not self._awaiting_grammar:
+            return []
+        failed = []
+        if not self.scheduler.has_unfinished_requests() and self._in_flight is None:
+            # nothing else to run: wait a little for a compilation instead of spinning
+            concurrent.futures.wait([f for f, _ in self._awaiting_grammar.values()],
+                                    timeout=0.05, return_when=concurrent.futures.FIRST_COMPLETED)
+        for rid, (compiled, reqs) in list(self._awaiting_grammar.items()):
+            if not compiled.done():
+                continue
+            del self._awaiting_grammar[rid]
+            error = compiled.exception()
+            if error is not None:
+                logger.error("request %s: %s", rid, error)
+                for req in reqs:
+                    req.status = RequestStatus.FINISHED_ABORTED
+                failed.append(rid)
+                continue
+            self._attach_grammars(reqs, compiled.result())
+            self.scheduler.add_request(reqs[0], reqs[1:])
+        return self.outputs.make_outputs(failed)
+
+    def _advance_grammar(self, req: Request, tokens: list[int]) -> None:
+        """A constrained sequence's new tokens advance its grammar; it ends (stop) once the
+        grammar is complete and allows nothing more."""
+        if req.status.finished and tokens[-1] == req.eos_token_id:
+            tokens = tokens[:-1]  # ended by EOS, which the grammar allowed
+        grammar = req.grammar
+        if tokens and not grammar.accept(tokens):
+            # only when other masks (allowed_token_ids, bad words) left no token the grammar allows
+            logger.error("request %s sampled a token its grammar does not allow: %s",
+                         req.request_id, grammar.error)
+            self.scheduler.finish_requests(req.request_id, RequestStatus.FINISHED_ABORTED)
+        elif grammar.is_terminated:
+            if req.status == RequestStatus.FINISHED_LENGTH:  # complete at the limit: it stopped
+                req.status = RequestStatus.FINISHED_STOPPED
+            elif not req.status.finished:
+                self.scheduler.finish_requests(req.request_id, RequestStatus.FINISHED_STOPPED)
+
+    def _grammar_rows(self, out: SchedulerOutput, flight: InFlight) -> list:
+        """(row of the step, grammar) of the constrained rows that sample in it."""
+        st = flight.step
+        rows = []
+        for i in np.nonzero(st.final)[0]:
+            req = out.scheduled_reqs[st.req_ids[i]]
+            if req.grammar is not None and not req.status.finished:
+                rows.append((int(i), req.grammar))
+        return rows
 
     def token_text(self, token_id: int) -> str | None:
         return self.outputs.token_text(token_id)
@@ -252,6 +329,8 @@ class LLMEngine:
             if parent is None:
                 continue
             self._needs_sync.discard(rid)
+            if self._awaiting_grammar.pop(rid, None) is not None:
+                continue  # never reached the scheduler
             self.scheduler.finish_requests([s.request.request_id for s in parent.seqs],
                                            RequestStatus.FINISHED_ABORTED)
 
@@ -276,16 +355,24 @@ class LLMEngine:
         if self._in_flight is not None and not overlap:
             outputs += self._finish_step(*self._in_flight)
             self._in_flight = None
+        outputs += self._admit_compiled()
         out = self.scheduler.schedule()
         scheduled_at = time.time()
         for rid in out.num_scheduled_tokens:
             parent = self.outputs.parent_of(rid)
             if parent is not None and parent.metrics.first_scheduled_time is None:
                 parent.metrics.first_scheduled_time = scheduled_at
-        flight = self.runner.dispatch(out)
+        # a constrained row's mask depends on the token its previous step sampled: sampling
+        # waits until the host has read that step and advanced the grammars, which it does
+        # while the device runs this step's forward pass
+        masked = any(out.scheduled_reqs[rid].grammar is not None for rid in out.sampling_req_ids)
+        flight = self.runner.dispatch(out, masked)
         previous, self._in_flight = self._in_flight, (out, flight)
         if previous is not None:
             outputs += self._finish_step(*previous)
+        if masked and flight is not None:
+            rows = self._grammar_rows(out, flight)
+            self.runner.sample(flight, self.structured.bitmask(rows, len(flight.step.req_ids)))
         if not overlap or flight is None:
             outputs += self._finish_step(*self._in_flight)
             self._in_flight = None
@@ -301,6 +388,8 @@ class LLMEngine:
         touched = {}
         for upd in self.scheduler.update_from_output(out, res.sampled):
             req = upd.request
+            if req.grammar is not None and upd.new_token_ids:
+                self._advance_grammar(req, upd.new_token_ids)
             pid = self.outputs.update(req, upd.new_token_ids, res.logprobs.get(req.request_id),
                                       now, self._finish_stopped)
             touched[pid] = None

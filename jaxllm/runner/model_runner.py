@@ -1,10 +1,16 @@
-"""The JAX side: host-side input preparation, the KV-cache array and ONE jitted step.
+"""The JAX side: host-side input preparation, the KV-cache array and the jitted step.
 
-Every (tokens, seqs) bucket is compiled ahead of time at start-up; a step whose padded shape
-has no compiled executable is a bug, not a reason to compile.
+A step is two jitted calls launched back to back: the forward pass (the model, the logits of
+the rows that sample, prompt logprobs) and sampling. Between the two the host may compute
+what sampling needs that depends on the previous step's tokens: structured outputs' token
+bitmask, while the device runs the forward pass. Every (tokens, seqs) bucket of the forward
+pass and every seqs bucket of sampling is compiled ahead of time at start-up (the sampler once
+per seqs bucket, not once per pair); a step whose padded shape has no compiled executable is a
+bug, not a reason to compile.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -124,20 +130,18 @@ def _host(x) -> np.ndarray:
     return np.asarray(x if x.is_fully_addressable else x.addressable_data(0))
 
 
-def build_step(graphdef, vocab: int, state_sharding, kv_sharding, replicated):
-    """The one jitted engine step: the model over the flat batch, the logits of the rows that
-    sample, sampling, and prompt logprobs when asked for. The cache and sampler state are
-    donated; the sampled tokens also stay in the sampler state for the next step."""
+def build_forward(graphdef, vocab: int, state_sharding, kv_sharding, replicated):
+    """The step's forward pass: the model over the flat batch, the logits of the rows that
+    sample, and prompt logprobs when asked for. The cache is donated. A token the previous
+    step sampled and the host does not know yet (async scheduling: -1) is taken from the
+    sampler state on the device."""
 
-    def step(state, kv_cache, sampler_state, input_ids, md, logits_indices, smd):
+    def forward(state, kv_cache, sampler_state, input_ids, md, logits_indices, smd):
         model = nnx.merge(graphdef, state)
-        # -1: the token the previous step sampled for this row, which the host does not know
-        # yet (async scheduling); it waits on the device
         from_device = sampler_state.last_token[smd.rows[md.token_seq_ids]]
         input_ids = jnp.where(input_ids < 0, from_device, input_ids)
         hidden, kv_cache = model(kv_cache, input_ids, md)
         logits = model.compute_logits(hidden[logits_indices])
-        (tokens, lp, rank, top_ids, top_lp), sampler_state = sample(logits, smd, sampler_state)
         T, k = hidden.shape[0], min(MAX_LOGPROBS, vocab)
         zeros = (jnp.zeros(T, jnp.float32), jnp.zeros(T, jnp.int32),
                  jnp.zeros((T, k), jnp.int32), jnp.zeros((T, k), jnp.float32))
@@ -146,12 +150,38 @@ def build_step(graphdef, vocab: int, state_sharding, kv_sharding, replicated):
             lambda h: prompt_logprobs(model.compute_logits, h, smd.next_ids,
                                       md.query_start_loc[-1], vocab),
             lambda h: zeros, hidden)
-        return SamplerOutput(tokens, lp, rank, top_ids, top_lp, *plp), kv_cache, sampler_state
+        return logits.astype(jnp.float32), plp, kv_cache
 
     rep = replicated
-    return jax.jit(step, donate_argnums=(1, 2),
+    return jax.jit(forward, donate_argnums=(1,),
                    in_shardings=(state_sharding, kv_sharding, rep, rep, rep, rep, rep),
-                   out_shardings=(rep, kv_sharding, rep))
+                   out_shardings=(rep, rep, kv_sharding))
+
+
+def build_sample(replicated):
+    """The step's sampling over the forward pass's logits, under a token bitmask when
+    `use_mask` (structured outputs). The sampler state is donated; the sampled tokens also
+    stay in it for the next step."""
+
+    def sample_step(logits, sampler_state, smd, bitmask, use_mask):
+        return sample(logits, smd, sampler_state, bitmask, use_mask)
+
+    rep = replicated
+    return jax.jit(sample_step, donate_argnums=(1,), in_shardings=rep, out_shardings=(rep, rep))
+
+
+def sampling_only(smd):
+    """The sampling metadata sampling reads: without the [T] prompt-logprob ids, so that the
+    sampler compiles once per seqs bucket."""
+    return dataclasses.replace(smd, next_ids=None)
+
+
+def step_scratch_bytes(forward_exe, sample_exe, S: int, vocab: int) -> int:
+    """Scratch memory of a step from its compiled calls: the larger of the two, plus the
+    logits that live from one to the other."""
+    def temp(exe):
+        return int(getattr(exe.memory_analysis(), "temp_size_in_bytes", 0) or 0)
+    return max(temp(forward_exe), temp(sample_exe)) + S * vocab * 4
 
 
 def step_compiler_options(platform: str) -> dict | None:
@@ -178,6 +208,18 @@ def abstract_step_inputs(T: int, S: int, block_size: int, max_blocks_per_seq: in
         sds((S,), f32), sds((S,), i32), sds((S,), b), sds((S, MAX_BANNED), i32), sds((T,), i32),
         *[sds((), b)] * 8)
     return sds((T,), i32), md, sds((S,), i32), smd
+
+
+def abstract_sample_inputs(S: int, vocab: int, smd):
+    """Shapes of sampling's inputs after the sampler state: logits, sampling metadata (as
+    sampling_only gives it), bitmask, use_mask."""
+    sds = jax.ShapeDtypeStruct
+    return (sds((S, vocab), jnp.float32), sampling_only(smd),
+            sds((S, bitmask_words(vocab)), jnp.int32), sds((), jnp.bool_))
+
+
+def bitmask_words(vocab: int) -> int:
+    return -(-vocab // 32)
 
 
 class ModelRunner:
@@ -215,14 +257,18 @@ class ModelRunner:
         self.block_ops = BlockOps(shapes, block_size, num_host_blocks, self.kv_sharding)
         self.batch = InputBatch(max_num_seqs, max_model_len, self.max_blocks_per_seq)
         self._pending_rows: list[tuple[int, object]] = []  # rows whose sampler state to rebuild
-        self._compiled: dict[tuple[int, int], object] = {}
+        self._compiled: dict[tuple[int, int], object] = {}         # forward per (T, S)
+        self._compiled_sample: dict[int, object] = {}               # sampling per S
+        self._allow_all: dict[int, jax.Array] = {}  # per S: the bitmask of unconstrained steps
         self.num_steps = 0
         self.device_wait_seconds = 0.0  # host time spent waiting for steps' results
         self.num_compiles_after_warmup = 0
         self.channel = mp.Channel() if jax.process_count() > 1 else None
-        self._step = build_step(self.graphdef, self.vocab,
-                                jax.tree.map(lambda x: x.sharding, self.state),
-                                self.kv_sharding, self.replicated)
+        self._forward = build_forward(self.graphdef, self.vocab,
+                                      jax.tree.map(lambda x: x.sharding, self.state),
+                                      self.kv_sharding, self.replicated)
+        self._sample = build_sample(self.replicated)
+        self._no_mask = jax.device_put(np.bool_(False), self.replicated)
         rep = self.replicated
         self._set_rows = jax.jit(set_rows, donate_argnums=(0,), in_shardings=rep, out_shardings=rep)
 
@@ -237,10 +283,20 @@ class ModelRunner:
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
     def _compile(self, T: int, S: int):
-        return self._step.lower(self._abstract(self.state), self._abstract(self.kv_cache),
-                                self._abstract(self.sampler_state),
-                                *self._abstract_inputs(T, S)).compile(
+        return self._forward.lower(self._abstract(self.state), self._abstract(self.kv_cache),
+                                   self._abstract(self.sampler_state),
+                                   *self._abstract_inputs(T, S)).compile(
             step_compiler_options(platform_of(self.mesh)))
+
+    def _compile_sample(self, S: int):
+        logits, smd, bitmask, use_mask = abstract_sample_inputs(
+            S, self.vocab, self._abstract_inputs(S, S)[-1])
+        return self._sample.lower(logits, self._abstract(self.sampler_state), smd, bitmask,
+                                  use_mask).compile()
+
+    @property
+    def sample_buckets(self) -> list[int]:
+        return sorted({S for _, S in self.shapes.all})
 
     def compile_all(self, progress: bool = True) -> float:
         start = time.perf_counter()
@@ -251,23 +307,32 @@ class ModelRunner:
             sds((K, self.max_model_len), jnp.int32), sds((K,), jnp.int32), sds((K,), jnp.int32),
             sds((K, self.vocab), jnp.float32), sds((K, self.vocab), jnp.bool_)).compile()
         todo = [s for s in self.shapes.all if s not in self._compiled]
+        todo_sample = [S for S in self.sample_buckets if S not in self._compiled_sample]
         # XLA compiles outside the GIL, so threads overlap the per-shape compiles
         with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
             futures = {shape: pool.submit(self._compile, *shape) for shape in todo}
-            bar = tqdm(total=len(todo), desc="compiling step buckets", disable=not progress,
+            futures.update({S: pool.submit(self._compile_sample, S) for S in todo_sample})
+            bar = tqdm(total=len(futures), desc="compiling step buckets", disable=not progress,
                        unit="shape")
-            for shape, fut in futures.items():
-                self._compiled[shape] = fut.result()
+            for key, fut in futures.items():
+                if isinstance(key, tuple):
+                    self._compiled[key] = fut.result()
+                else:
+                    self._compiled_sample[key] = fut.result()
                 bar.update(1)
             bar.close()
         return time.perf_counter() - start
 
+    @property
+    def num_compiled(self) -> int:
+        return len(self._compiled) + len(self._compiled_sample)
+
     def activation_bytes(self) -> int:
-        """Scratch memory of the largest step, measured from its compiled executable."""
+        """Scratch memory of the largest step, measured from its compiled executables."""
         T, S = self.shapes.all[-1]
-        exe = self._compiled.get((T, S)) or self._compile(T, S)
-        analysis = exe.memory_analysis()
-        return int(getattr(analysis, "temp_size_in_bytes", 0) or 0)
+        fwd = self._compiled.get((T, S)) or self._compile(T, S)
+        smp = self._compiled_sample.get(S) or self._compile_sample(S)
+        return step_scratch_bytes(fwd, smp, S, self.vocab)
 
     # per-step state
     def _update_states(self, out: SchedulerOutput) -> None:
@@ -327,7 +392,9 @@ class ModelRunner:
         return jax.tree.map(
             lambda x: jax.make_array_from_process_local_data(self.replicated, np.asarray(x)), tree)
 
-    def _run_step(self, shape, inputs, announced: bool = False):
+    def _run_forward(self, shape, inputs, announced: bool = False):
+        """The forward pass of a (T, S) step: (logits, prompt logprobs, sampling metadata as
+        sampling reads it), on the device."""
         if self.channel is not None:
             if not announced:
                 self.channel.announce(mp.STEP, *shape)
@@ -337,8 +404,31 @@ class ModelRunner:
             exe = self._compiled[shape] = self._compile(*shape)
             self.num_compiles_after_warmup += 1
             logger.warning("compiled step shape %s outside warm-up", shape)
-        res, self.kv_cache, self.sampler_state = exe(self.state, self.kv_cache,
-                                                     self.sampler_state, *self._put(inputs))
+        args = self._put(inputs)
+        logits, plp, self.kv_cache = exe(self.state, self.kv_cache, self.sampler_state, *args)
+        return logits, plp, sampling_only(args[-1])
+
+    def _run_sample(self, S: int, logits, smd, bitmask: np.ndarray | None,
+                    announced: bool = False):
+        """Sampling of an S-row step, under `bitmask` ([S, words] int32) when given."""
+        if self.channel is not None:
+            if not announced:
+                self.channel.announce(mp.SAMPLE, S, int(bitmask is not None))
+            if bitmask is not None:
+                bitmask = self.channel.share(bitmask)
+        exe = self._compiled_sample.get(S)
+        if exe is None:
+            exe = self._compiled_sample[S] = self._compile_sample(S)
+            self.num_compiles_after_warmup += 1
+            logger.warning("compiled sampling of %d rows outside warm-up", S)
+        if bitmask is None:
+            mask, use = self._allow_all.get(S), self._no_mask
+            if mask is None:
+                mask = self._allow_all[S] = self._put(
+                    np.full((S, bitmask_words(self.vocab)), -1, np.int32))
+        else:
+            mask, use = self._put((bitmask, np.bool_(True)))
+        res, self.sampler_state = exe(logits, self.sampler_state, smd, mask, use)
         return res
 
     def _set_sampler_rows(self, args, announced: bool = False) -> None:
@@ -364,7 +454,11 @@ class ModelRunner:
                 return
             if op == mp.STEP:
                 template = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), self._abstract_inputs(a, b))
-                self._run_step((a, b), template, announced=True)
+                forward = self._run_forward((a, b), template, announced=True)
+            elif op == mp.SAMPLE:
+                logits, _, smd = forward
+                mask = np.zeros((a, bitmask_words(V)), np.int32) if b else None
+                self._run_sample(a, logits, smd, mask, announced=True)
             elif op == mp.SET_ROWS:
                 self._set_sampler_rows((np.zeros(K, np.int32), np.zeros((K, L), np.int32),
                                         np.zeros(K, np.int32), np.zeros(K, np.int32),
@@ -455,9 +549,11 @@ class ModelRunner:
             np.bool_(cols["has_bias"].any()), np.bool_((cols["min_tokens"] > gen_index).any()),
             np.bool_(any_banned), np.bool_((cols["num_logprobs"] >= 0).any()), np.bool_(any_plp))
 
-    def dispatch(self, out: SchedulerOutput) -> "InFlight | None":
+    def dispatch(self, out: SchedulerOutput, masked: bool = False) -> "InFlight | None":
         """Start a step on the device and return at once (JAX dispatches asynchronously); its
-        results are read by collect(). Block moves and row updates happen first."""
+        results are read by collect(). Block moves and row updates happen first. `masked`:
+        only the forward pass starts; sample() launches sampling under a token bitmask that
+        the host computes meanwhile."""
         if out.has_block_ops:
             # swap-outs first: their device blocks may be handed out again in this very step
             ops = self.block_ops
@@ -469,9 +565,25 @@ class ModelRunner:
             return None
         step, shape, inputs = self._prepare(out, list(out.num_scheduled_tokens))
         smd = inputs[-1]
-        res = self._run_step(shape, inputs)
+        logits, plp, smd_dev = self._run_forward(shape, inputs)
         self.num_steps += 1
-        return InFlight(step, res, bool(smd.any_logprobs), bool(smd.any_prompt_logprobs))
+        flight = InFlight(step, None, bool(smd.any_logprobs), bool(smd.any_prompt_logprobs),
+                          (logits, plp, smd_dev))
+        if not masked:
+            self.sample(flight)
+        return flight
+
+    def sample(self, flight: "InFlight", bitmask: np.ndarray | None = None) -> None:
+        """Launch a dispatched step's sampling; `bitmask`: [rows of the step, words] int32,
+        the tokens each row may sample (structured outputs)."""
+        logits, plp, smd = flight.pending
+        S = logits.shape[0]
+        if bitmask is not None and bitmask.shape[0] != S:  # padded rows allow everything
+            full = np.full((S, bitmask.shape[1]), -1, np.int32)
+            full[:bitmask.shape[0]] = bitmask
+            bitmask = full
+        res = self._run_sample(S, logits, smd, bitmask)
+        flight.result, flight.pending = SamplerOutput(*res, *plp), None
 
     def collect(self, flight: "InFlight | None") -> RunnerOutput:
         """Wait for a dispatched step and bring its tokens (and logprobs) to the host. The
@@ -541,6 +653,7 @@ class _Step:
 @dataclass
 class InFlight:
     step: _Step
-    result: SamplerOutput
+    result: SamplerOutput | None  # None until sampling is launched
     want_logprobs: bool
     want_prompt_logprobs: bool
+    pending: tuple | None = None  # the forward pass's outputs, until sampling takes them
