@@ -142,6 +142,22 @@ def test_cpu_kernels_match_the_xla_path(case):
                 assert rel(ref, np.asarray(x) @ h.dequantize()[layer].T) < 1e-5
 
 
+@pytest.mark.parametrize("kind,group,N,K,M", [("int4", 32, 96, 128, 5), ("int4", 128, 64, 256, 20),
+                                               ("int8", 16, 64, 64, 3), ("int8", 32, 48, 96, 17)])
+def test_pallas_group_quantized_matmul(kind, group, N, K, M):
+    """The GPU kernel for group-quantized weights (interpret mode) against its reference and
+    the dequantized matrix product, reading layer 1 of a stack."""
+    from pallas_kernels.quantized_matmul import quantized_matmul
+    from pallas_kernels.quantized_matmul_ref import quantized_matmul_ref
+    w = RNG.standard_normal((2, N, K)).astype(np.float32)
+    h = (F.quantize_int4(w, group) if kind == "int4" else F.quantize_int8(w, group)).compact()
+    q, s, o = jnp.asarray(h.q), jnp.asarray(h.scale), None if h.offset is None else jnp.asarray(h.offset)
+    x = jnp.asarray(RNG.standard_normal((M, K)).astype(np.float32))
+    got = np.asarray(quantized_matmul(x, q, s, o, 1, interpret=True))
+    ref = np.asarray(quantized_matmul_ref(x, q, s, o, 1))
+    assert rel(got, ref) < 1e-5 and rel(ref, np.asarray(x) @ h.dequantize()[1].T) < 1e-5
+
+
 # models
 def _set_dequantized(hf, layout_of):
     """Replace every matrix of the torch model by its quantize-dequantize round trip."""
@@ -189,6 +205,17 @@ def test_online_weight_only_equals_its_dequantized_weights(tiny_hf, method):
 
     _set_dequantized(ref_model, layout)
     assert rel(all_logits(loaded, IDS), hf_logits(ref_model, IDS)) < 1e-4
+
+
+def test_pallas_backend_in_the_model(tiny_hf, monkeypatch):
+    """int4 weights through the GPU kernel (interpreted): the same logits as XLA's dots."""
+    path, _ = tiny_hf
+    monkeypatch.setenv("JAXLLM_QUANT_BACKEND", "pallas_interpret")
+    kernel = load_model(path, jnp.float32, load_tokenizer=False, quantization="int4")
+    assert kernel.quant.backend == "pallas_interpret"
+    monkeypatch.setenv("JAXLLM_QUANT_BACKEND", "xla")
+    xla = load_model(path, jnp.float32, load_tokenizer=False, quantization="int4")
+    assert rel(all_logits(kernel, IDS[:12]), all_logits(xla, IDS[:12])) < 1e-5
 
 
 @pytest.mark.parametrize("method", ["w8a8", "fp8"])

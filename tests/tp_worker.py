@@ -46,6 +46,7 @@ def main():
             # its codes [layers, heads * head_dim, embed'])
             "wqkv_shard": list(wqkv.addressable_shards[0].data.shape),
             "wqkv_full": list(wqkv.shape),
+            "wqkv_quantized": quantized,
             "wo_scale_shard": None if wo_scale is None else list(wo_scale.addressable_shards[0].data.shape),
             "wo_scale_full": None if wo_scale is None else list(wo_scale.shape),
         }

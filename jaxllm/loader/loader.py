@@ -256,13 +256,20 @@ def _check_shardable(specs: dict, mesh) -> None:
 
 
 def quant_backend(mesh) -> str:
-    """Where quantized matmuls run: the CPU kernels on a one-device CPU mesh when they build
-    (a custom call cannot be split by XLA's sharding), XLA's dots elsewhere."""
+    """Where quantized matmuls run: the CPU kernels on a one-device CPU mesh when they build,
+    the Pallas kernel for group-quantized weights on one GPU; XLA's dots elsewhere (a custom
+    call cannot be split by XLA's sharding). JAXLLM_QUANT_BACKEND overrides it (tests)."""
     from jaxllm.parallel import platform_of
-    if platform_of(mesh) == "cpu" and mesh.size == 1 and os.environ.get("JAXLLM_CPU_KERNELS", "1") != "0":
+    forced = os.environ.get("JAXLLM_QUANT_BACKEND")
+    if forced:
+        return forced
+    platform = platform_of(mesh)
+    if platform == "cpu" and mesh.size == 1 and os.environ.get("JAXLLM_CPU_KERNELS", "1") != "0":
         from jaxllm.quantization import cpu
         if cpu.available():
             return "cpu"
+    if platform == "gpu" and mesh.size == 1:
+        return "pallas"
     return "xla"
 
 

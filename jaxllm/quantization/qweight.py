@@ -13,6 +13,10 @@ Two implementations:
 - `cpu`: the C++ kernels of jaxllm.quantization.cpu, which read the packed codes straight
   from the stack (XLA:CPU has no dot that dequantizes its operand on the fly: it writes the
   whole dequantized weight first, slower than the float weight it replaces).
+- `pallas`: on a GPU, group-quantized weights (int4, int8 in groups) go through the Pallas
+  kernel of pallas_kernels/quantized_matmul.py: XLA fuses a per-channel scale into its GEMM
+  but writes a group-scaled weight out whole before it. Per-channel int8, w8a8 and fp8 stay
+  on XLA's dots there (`pallas_interpret` runs the kernel in Pallas' interpreter: tests).
 """
 from __future__ import annotations
 
@@ -33,7 +37,7 @@ class QWeight:
     smooth: jax.Array | None = None   # f32 [.., K]: SmoothQuant divides activations by it
     layer: jax.Array | int | None = None  # index into the leading (layer) axis
     act: str = field(default="none", metadata=dict(static=True))      # none | int8 | fp8
-    backend: str = field(default="xla", metadata=dict(static=True))   # xla | cpu
+    backend: str = field(default="xla", metadata=dict(static=True))   # xla | cpu | pallas
 
     @property
     def kind(self) -> str:
@@ -120,8 +124,20 @@ def matmul_xla(x: jax.Array, w: QWeight, policy) -> jax.Array:
     return y * xs * m.scale[:, 0]
 
 
+def matmul_pallas(x: jax.Array, w: QWeight, policy, interpret: bool) -> jax.Array:
+    from pallas_kernels.quantized_matmul import quantized_matmul
+    stack = (lambda a: a) if w.layer is not None else (lambda a: None if a is None else a[None])
+    lead, K = x.shape[:-1], x.shape[-1]
+    y = quantized_matmul(x.reshape(-1, K).astype(policy.dot), stack(w.q), stack(w.scale),
+                         stack(w.offset), 0 if w.layer is None else w.layer, interpret=interpret)
+    return y.reshape(*lead, w.out_features)
+
+
 def matmul(x: jax.Array, w: QWeight, policy) -> jax.Array:
     if w.backend == "cpu" and w.kind != "fp8":  # the CPU kernels have no fp8 (XLA emulates it)
         from jaxllm.quantization import cpu
         return cpu.matmul(x, w)
+    grouped = w.kind == "int4" or (w.kind == "int8" and w.group < w.in_features)
+    if w.backend.startswith("pallas") and grouped and w.act == "none" and w.smooth is None:
+        return matmul_pallas(x, w, policy, interpret=w.backend == "pallas_interpret")
     return matmul_xla(x, w, policy)
