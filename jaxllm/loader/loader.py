@@ -13,8 +13,10 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
+from tqdm.auto import tqdm
 
 from jaxllm.layers.linear import DTypePolicy, uniform_policy
+from jaxllm.loader import orbax
 from jaxllm.loader.hf import StackedWeights
 from jaxllm.loader.safetensors_io import checkpoint_files, read_safetensors
 from jaxllm.models import ArchConfig, get_model_class
@@ -69,10 +71,25 @@ TOKENIZER_CACHE = os.environ.get("JAXLLM_TOKENIZER_CACHE_DIR",
                                  os.path.expanduser("~/.cache/jaxllm/tokenizers"))
 
 
-def _load_tokenizer(path: str, gguf_file: str | None):
+def _from_pretrained(path: str):
+    """AutoTokenizer's result, without its model-config machinery (which imports torch when it
+    is installed: seconds at every start) for the plain fast tokenizers that GGUF metadata and
+    jaxllm's own checkpoints hold."""
+    try:
+        with open(os.path.join(path, "tokenizer_config.json")) as f:
+            cls = json.load(f).get("tokenizer_class")
+    except (OSError, ValueError):
+        cls = None
+    if cls in ("PreTrainedTokenizerFast", "TokenizersBackend"):
+        from transformers import PreTrainedTokenizerFast
+        return PreTrainedTokenizerFast.from_pretrained(path)
     from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _load_tokenizer(path: str, gguf_file: str | None):
     if not gguf_file:
-        return AutoTokenizer.from_pretrained(path)
+        return _from_pretrained(path)
     # Building a tokenizer from GGUF metadata takes seconds; keep the result for the next start.
     from jaxllm.loader.gguf_tokenizer import gguf_tokenizer
     st = os.stat(gguf_file)
@@ -80,7 +97,7 @@ def _load_tokenizer(path: str, gguf_file: str | None):
     cached = os.path.join(TOKENIZER_CACHE, key)
     if os.path.exists(os.path.join(cached, "tokenizer_config.json")):
         try:
-            return AutoTokenizer.from_pretrained(cached)
+            return _from_pretrained(cached)
         except (OSError, ValueError):
             logger.warning("cached tokenizer %s unreadable; rebuilding it", cached)
     tok = gguf_tokenizer(gguf_file)
@@ -128,12 +145,12 @@ def _read_weights(path: str, gguf_file: str | None, cfg_only: bool, policy: DTyp
         return arch, None
     cls = get_model_class(arch.architecture)
     out = _stacked(cls, arch, policy)
-    for file in checkpoint_files(path):
-        for name, tensor in read_safetensors(file).items():
-            found = cls.HF_WEIGHTS.lookup(name)
-            if found is not None:
-                target, layer = found
-                out.put(target, layer, tensor, name)
+    tensors = [t for file in checkpoint_files(path) for t in read_safetensors(file).items()]
+    for name, tensor in tqdm(tensors, desc="reading weights", unit="tensor"):
+        found = cls.HF_WEIGHTS.lookup(name)
+        if found is not None:
+            target, layer = found
+            out.put(target, layer, tensor, name)
     return arch, out.finish()
 
 
@@ -171,20 +188,34 @@ def load_model(model: str | None, policy, load_format: str = "auto", seed: int =
         policy = uniform_policy(policy)
     mesh = mesh if mesh is not None else make_mesh(1)
     path = resolve_model_path(model)
-    gguf_file = _gguf_file(path)
     dummy = load_format == "dummy"
-    ckpt_arch, weights = _read_weights(path, gguf_file, dummy, policy)
-    tp = plan(ckpt_arch, mesh.size)
-    arch = runtime_arch(ckpt_arch, tp)
+    if orbax.is_orbax_checkpoint(path):
+        # the engine's own layout, restored into the mesh's shardings as it is
+        gguf_file, ckpt_arch, weights = None, None, None
+        if dummy:
+            meta = orbax.read_metadata(path)
+            orbax.check_compatible(meta, path, mesh.size)
+            arch = ArchConfig(**meta["architecture"])
+        else:
+            arch, graphdef, state, meta = orbax.restore(path, policy, attention_backend, mesh)
+        # converted from a bare config.json: token-id prompts only, as with load_format="dummy"
+        tokenless = not meta.get("tokenizer", True)
+    else:
+        tokenless = False
+        gguf_file = _gguf_file(path)
+        ckpt_arch, weights = _read_weights(path, gguf_file, dummy, policy)
+        tp = plan(ckpt_arch, mesh.size)
+        arch = runtime_arch(ckpt_arch, tp)
     cls = get_model_class(arch.architecture)
-    graphdef, abstract_state, shardings = abstract_model(arch, policy, attention_backend, mesh)
+    if dummy or weights is not None:
+        graphdef, abstract_state, shardings = abstract_model(arch, policy, attention_backend, mesh)
     if dummy:
         # random weights of real shapes, each device making only its own shards
         def init():
             return nnx.split(cls(arch, policy, rngs=nnx.Rngs(seed),
                                  attention_backend=attention_backend, mesh=mesh))[1]
         state = jax.jit(init, out_shardings=shardings)()
-    else:
+    elif weights is not None:
         weights = cls.tp_transform(weights, ckpt_arch, tp)
 
         def fill(path_keys, leaf, shard):
@@ -197,7 +228,7 @@ def load_model(model: str | None, policy, load_format: str = "auto", seed: int =
         try:
             tok = _load_tokenizer(tokenizer or path, None if tokenizer else gguf_file)
         except (OSError, ValueError) as e:
-            if not dummy:
+            if not (dummy or tokenless):
                 raise ValueError(f"cannot load the tokenizer of {path}: {e}") from e
             # a bare config.json of real shapes: token-id prompts only
             logger.warning("no tokenizer for %s (%s); prompts must be token ids", path, e)
