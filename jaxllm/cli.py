@@ -202,7 +202,8 @@ def main(argv=None) -> int:
             ("serve", "serve", "online load against an OpenAI-compatible server", False),
             ("kernels", "kernels", "paged-attention kernels against measured peaks", False),
             ("dots", "dots", "the dtype forms of a projection's dot on this machine", False),
-            ("aot", "gpu_aot", "compile kernels and engine step for a GPU without one", False)):
+            ("aot", "gpu_aot", "compile kernels and engine step for a GPU without one", False),
+            ("startup", "startup", "start-to-ready and weight loading: source vs Orbax, cold and warm", True)):
         mod = importlib.import_module(f"benchmarks.{module}")
         b = bench.add_parser(name, help=help_)
         if engine:

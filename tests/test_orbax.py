@@ -227,3 +227,37 @@ def test_convert_cli_refuses_what_it_cannot_do(tiny_llama, tiny_ckpt, tmp_path, 
         assert not (tmp_path / "q").exists()
     with pytest.raises(SystemExit):
         main(["convert", tiny_llama, str(tmp_path / "x"), "--dtype", "int3"])
+
+
+def test_random_checkpoint_loads_as_its_config(tmp_path, tiny_llama):
+    """bench startup's random safetensors carry every tensor the config's family reads."""
+    from benchmarks.startup import write_random_checkpoint
+    cfg = tmp_path / "cfg"
+    cfg.mkdir()
+    shutil.copy(os.path.join(tiny_llama, "config.json"), cfg / "config.json")
+    src = write_random_checkpoint(str(cfg), str(tmp_path / "random"), "bfloat16")
+    ref = load_model(tiny_llama, jnp.bfloat16, load_tokenizer=False)
+    got = load_model(src, jnp.bfloat16)
+    assert got.arch == ref.arch and got.tokenizer is not None
+    assert [x.shape for x in jax.tree.leaves(got.state)] == [x.shape for x in jax.tree.leaves(ref.state)]
+    assert float(jnp.std(got.state["layers"]["w_down"][...].astype(jnp.float32))) > 0.01
+
+
+@pytest.mark.slow
+def test_bench_startup_reports_source_and_orbax(tiny_llama, tmp_path):
+    assert main(["bench", "startup", "--model", tiny_llama, "--max-num-seqs", "2",
+                 "--max-num-batched-tokens", "16", "--max-model-len", "64", "--warm-runs", "1",
+                 "--load-runs", "1", "--results-dir", str(tmp_path), "--tag", "s"]) == 0
+    with open(tmp_path / "s.json") as f:
+        r = json.load(f)
+    assert r["command"].startswith("jaxllm bench startup") and r["convert_s"] > 0
+    for fmt in ("source", "orbax"):
+        cold, warm = r["starts"][fmt]["cold"], r["starts"][fmt]["warm"][0]
+        for run in (cold, warm):
+            assert run["ready_s"] >= run["engine_s"] >= run["load_s"] + run["compile_s"] > 0
+            assert run["step_shapes"] == 1 and run["compiles_after_warmup"] == 0
+        assert r["weight_load_s"][fmt]["n"] == 1
+    ratio = r["ratio_orbax_vs_source"]
+    assert ratio["weight_load"] == pytest.approx(r["weight_load_s"]["orbax"]["median"]
+                                                 / r["weight_load_s"]["source"]["median"])
+    assert ratio["cold_ready"] > 0 and ratio["warm_ready"] > 0

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -189,9 +190,21 @@ def load_model(model: str | None, policy, load_format: str = "auto", seed: int =
     mesh = mesh if mesh is not None else make_mesh(1)
     path = resolve_model_path(model)
     dummy = load_format == "dummy"
-    if orbax.is_orbax_checkpoint(path):
+    is_orbax = orbax.is_orbax_checkpoint(path)
+    gguf_file = None if is_orbax else _gguf_file(path)
+    tok_future = None
+    if load_tokenizer:
+        if is_orbax:
+            # imported here, not by both threads at once
+            importlib.import_module("orbax.checkpoint")
+        # importing transformers and reading the tokenizer take a second or more: overlap them
+        # with reading the weights (file reads and copies, mostly outside the GIL)
+        pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+        tok_future = pool.submit(_load_tokenizer, tokenizer or path, None if tokenizer else gguf_file)
+        pool.shutdown(wait=False)
+    if is_orbax:
         # the engine's own layout, restored into the mesh's shardings as it is
-        gguf_file, ckpt_arch, weights = None, None, None
+        ckpt_arch, weights = None, None
         if dummy:
             meta = orbax.read_metadata(path)
             orbax.check_compatible(meta, path, mesh.size)
@@ -202,7 +215,6 @@ def load_model(model: str | None, policy, load_format: str = "auto", seed: int =
         tokenless = not meta.get("tokenizer", True)
     else:
         tokenless = False
-        gguf_file = _gguf_file(path)
         ckpt_arch, weights = _read_weights(path, gguf_file, dummy, policy)
         tp = plan(ckpt_arch, mesh.size)
         arch = runtime_arch(ckpt_arch, tp)
@@ -224,9 +236,9 @@ def load_model(model: str | None, policy, load_format: str = "auto", seed: int =
 
         state = jax.tree_util.tree_map_with_path(fill, abstract_state, shardings)
     tok = None
-    if load_tokenizer:
+    if tok_future is not None:
         try:
-            tok = _load_tokenizer(tokenizer or path, None if tokenizer else gguf_file)
+            tok = tok_future.result()
         except (OSError, ValueError) as e:
             if not (dummy or tokenless):
                 raise ValueError(f"cannot load the tokenizer of {path}: {e}") from e
