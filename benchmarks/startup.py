@@ -146,6 +146,7 @@ def run(args) -> int:
 
     config = engine_config_from_args(args)
     base = dataclasses.asdict(config)
+    load_before = os.getloadavg()  # other work on the machine shows in every timing
     work = args.work_dir or tempfile.mkdtemp(prefix="jaxllm-startup-")
     os.makedirs(work, exist_ok=True)
     try:
@@ -197,6 +198,7 @@ def run(args) -> int:
 
     result = {"model": source if not args.random_checkpoint else f"random weights shaped by {args.random_checkpoint}",
               "engine_config": {k: v for k, v in base.items() if k not in ("model", "compilation_cache_dir")},
+              "load_average_1m": {"start": load_before[0], "end": os.getloadavg()[0]},
               "convert_s": convert_s, "starts": starts, "weight_load_s": {k: percentiles(v) for k, v in loads.items()}}
     for fmt in formats:
         result[f"{fmt}_warm_ready_s"] = summary(starts[fmt]["warm"], "ready_s")
