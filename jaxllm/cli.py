@@ -1,10 +1,11 @@
-"""`jaxllm generate | chat | bench ...`"""
+"""`jaxllm generate | chat | serve | convert | bench ...`"""
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import importlib
 import logging
+import os
 import sys
 
 from jaxllm.config import EngineConfig
@@ -126,6 +127,31 @@ def cmd_serve(args) -> int:
                       args.tool_call_parser if args.enable_auto_tool_choice else None)
 
 
+def cmd_convert(args) -> int:
+    """Write MODEL as an Orbax checkpoint of the engine's layout for --tensor-parallel-size
+    devices. The layout is made on that many CPU devices, so no accelerator (or one with
+    fewer devices) is needed."""
+    from jax._src import xla_bridge
+    import jax
+    tp = args.tensor_parallel_size or 1
+    if not xla_bridge.backends_are_initialized():
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", tp)
+    kwargs = dict(model=None if args.model == "default" and not os.path.exists(args.model) else args.model, tokenizer=args.tokenizer,
+                  dtype=args.dtype, load_format=args.load_format, tensor_parallel_size=tp,
+                  seed=args.seed)
+    kwargs["quantization"] = args.quantization
+    config = EngineConfig(**kwargs)  # validates the values as the engine would
+    from jaxllm.loader.orbax import convert
+    out = convert(config.model, args.output, dtype=config.dtype,
+                  quantization=config.quantization,
+                  tensor_parallel_size=config.tensor_parallel_size, load_format=config.load_format,
+                  tokenizer=config.tokenizer, seed=config.seed)
+    print(f"wrote {out}; run it with: jaxllm serve {out}"
+          + (f" --tensor-parallel-size {tp}" if tp > 1 else ""), file=sys.stderr)
+    return 0
+
+
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     parser = argparse.ArgumentParser(prog="jaxllm")
@@ -164,6 +190,23 @@ def main(argv=None) -> int:
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
 
+    p = sub.add_parser("convert", help="write a model as an Orbax checkpoint that starts fast")
+    p.add_argument("model", metavar="MODEL",
+                   help="HF directory, GGUF file, or `default` (SmolLM2-135M-Instruct)")
+    p.add_argument("output", metavar="OUT", help="new directory for the checkpoint")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                   help="weights' dtype (auto: float32, the source's values exactly; restoring "
+                        "casts to the engine's dtype when it differs)")
+    p.add_argument("--quantization", "-q", default=None, choices=list(_quant_methods()),
+                   help="weight quantization, as the engine's (default: as the checkpoint ships it)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="devices the checkpoint's layout is for (restoring needs the same)")
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy: random weights of the model's shapes")
+    p.add_argument("--tokenizer", default=None)
+    p.add_argument("--seed", type=int, default=0, help="seed of dummy weights")
+    p.set_defaults(func=cmd_convert)
+
     p = sub.add_parser("bench", help="benchmarks")
     bench = p.add_subparsers(dest="bench_command", required=True)
     for name, module, help_, engine in (
@@ -175,7 +218,8 @@ def main(argv=None) -> int:
             ("kernels", "kernels", "paged-attention kernels against measured peaks", False),
             ("dots", "dots", "the dtype forms of a projection's dot on this machine", False),
             ("quality", "quality", "perplexity and greedy agreement per weight format", False),
-            ("aot", "gpu_aot", "compile kernels and engine step for a GPU without one", False)):
+            ("aot", "gpu_aot", "compile kernels and engine step for a GPU without one", False),
+            ("startup", "startup", "start-to-ready and weight loading: source vs Orbax, cold and warm", True)):
         mod = importlib.import_module(f"benchmarks.{module}")
         b = bench.add_parser(name, help=help_)
         if engine:

@@ -75,6 +75,12 @@ def kv_budget_bytes(limit: int, in_use: int, scratch: int, utilization: float,
     return int(usable * (1 - ALLOCATOR_SLACK)) - in_use - scratch
 
 
+def process_seconds() -> float:
+    """Seconds since this process started (imports included)."""
+    import psutil
+    return time.time() - psutil.Process().create_time()
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         start = time.perf_counter()
@@ -91,9 +97,11 @@ class LLMEngine:
         if config.attention_backend == "auto":
             config.attention_backend = "pallas" if platform == "gpu" else "xla"
         self.mesh = make_mesh(config.tensor_parallel_size)
+        load_start = time.perf_counter()
         loaded = load_model(config.model, self.policy, config.load_format, config.seed,
                             config.tokenizer, attention_backend=config.attention_backend,
                             mesh=self.mesh, quantization=config.quantization)
+        self.load_seconds = time.perf_counter() - load_start
         self.arch = loaded.arch
         self.tokenizer = loaded.tokenizer
         self.eos_token_id = loaded.eos_token_id
@@ -120,11 +128,12 @@ class LLMEngine:
         self.runner = ModelRunner(loaded, self.dtype, num_blocks, bs, config.max_model_len,
                                   config.max_num_seqs, config.max_num_batched_tokens,
                                   num_host_blocks, config.attention_backend, config.kv_cache_dtype)
+        self.compile_seconds = 0.0
         if config.warmup:
-            secs = self.runner.compile_all()
+            self.compile_seconds = self.runner.compile_all()
             logger.info("compiled %d step shapes (forward %d, sampling %d) in %.1f s",
                         self.runner.num_compiled, len(self.runner.shapes.all),
-                        len(self.runner.sample_buckets), secs)
+                        len(self.runner.sample_buckets), self.compile_seconds)
         self._rng = np.random.default_rng(config.seed)
         self.structured = StructuredOutputManager(self.tokenizer, self.arch.vocab_size,
                                                   self.eos_token_id)
@@ -143,8 +152,10 @@ class LLMEngine:
         self.kv_waste_slot_steps = 0
         self.peak_running = 0
         self.startup_seconds = time.perf_counter() - start
-        logger.info("engine ready in %.1f s (model %s, dtype %s, %s, %s scheduling)",
-                    self.startup_seconds, loaded.path, self.policy.describe(), platform,
+        logger.info("engine ready in %.1f s (load %.1f s, compile %.1f s; %.1f s since the "
+                    "process started; model %s, dtype %s, %s, %s scheduling)",
+                    self.startup_seconds, self.load_seconds, self.compile_seconds,
+                    process_seconds(), loaded.path, self.policy.describe(), platform,
                     "async" if config.async_scheduling else "synchronous")
 
     def _num_blocks(self, platform: str, per_block: int, loaded) -> int:

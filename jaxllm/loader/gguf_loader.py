@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from jaxllm.loader.hf import StackedWeights
 from jaxllm.models.arch import ArchConfig
@@ -89,7 +90,7 @@ def load_gguf_weights(reader, cfg: ArchConfig, cls, out: StackedWeights,
     from jaxllm.quantization.formats import HostQuant, from_gguf
 
     heads = {"q": cfg.num_heads, "k": cfg.num_kv_heads}
-    for t in reader.tensors:
+    for t in tqdm(reader.tensors, desc="reading weights", unit="tensor"):
         if t.name == "rope_freqs.weight":
             continue  # read into the architecture's rope scaling
         found = cls.GGUF_WEIGHTS.lookup(t.name)

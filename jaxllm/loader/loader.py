@@ -7,14 +7,17 @@ import json
 import logging
 import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
 import jax
 import numpy as np
 from flax import nnx
+from tqdm.auto import tqdm
 
 from jaxllm.layers.linear import DTypePolicy, uniform_policy
+from jaxllm.loader import orbax
 from jaxllm.loader.hf import StackedWeights
 from jaxllm.loader.safetensors_io import checkpoint_files, read_safetensors
 from jaxllm.models import ArchConfig, get_model_class
@@ -72,10 +75,25 @@ TOKENIZER_CACHE = os.environ.get("JAXLLM_TOKENIZER_CACHE_DIR",
                                  os.path.expanduser("~/.cache/jaxllm/tokenizers"))
 
 
-def _load_tokenizer(path: str, gguf_file: str | None):
+def _from_pretrained(path: str):
+    """AutoTokenizer's result, without its model-config machinery (which imports torch when it
+    is installed: seconds at every start) for the plain fast tokenizers that GGUF metadata and
+    jaxllm's own checkpoints hold."""
+    try:
+        with open(os.path.join(path, "tokenizer_config.json")) as f:
+            cls = json.load(f).get("tokenizer_class")
+    except (OSError, ValueError):
+        cls = None
+    if cls in ("PreTrainedTokenizerFast", "TokenizersBackend"):
+        from transformers import PreTrainedTokenizerFast
+        return PreTrainedTokenizerFast.from_pretrained(path)
     from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _load_tokenizer(path: str, gguf_file: str | None):
     if not gguf_file:
-        return AutoTokenizer.from_pretrained(path)
+        return _from_pretrained(path)
     # Building a tokenizer from GGUF metadata takes seconds; keep the result for the next start.
     from jaxllm.loader.gguf_tokenizer import gguf_tokenizer
     st = os.stat(gguf_file)
@@ -83,7 +101,7 @@ def _load_tokenizer(path: str, gguf_file: str | None):
     cached = os.path.join(TOKENIZER_CACHE, key)
     if os.path.exists(os.path.join(cached, "tokenizer_config.json")):
         try:
-            return AutoTokenizer.from_pretrained(cached)
+            return _from_pretrained(cached)
         except (OSError, ValueError):
             logger.warning("cached tokenizer %s unreadable; rebuilding it", cached)
     tok = gguf_tokenizer(gguf_file)
@@ -149,14 +167,14 @@ def _read_weights(path: str, gguf_file: str | None, cfg_only: bool, policy: DTyp
     cls = get_model_class(arch.architecture)
     specs = cls.param_specs(arch)
     out = _stacked(cls, arch, policy)
-    for file in checkpoint_files(path):
-        for name, tensor in read_safetensors(file).items():
-            if qreader is not None and qreader.take(name, tensor):
-                continue
-            found = cls.HF_WEIGHTS.lookup(name)
-            if found is not None:
-                target, layer = found
-                out.put(target, layer, tensor, name)
+    tensors = [t for file in checkpoint_files(path) for t in read_safetensors(file).items()]
+    for name, tensor in tqdm(tensors, desc="reading weights", unit="tensor"):
+        if qreader is not None and qreader.take(name, tensor):
+            continue
+        found = cls.HF_WEIGHTS.lookup(name)
+        if found is not None:
+            target, layer = found
+            out.put(target, layer, tensor, name)
     for module in list(qreader.modules) if qreader else ():
         found = cls.HF_WEIGHTS.lookup(module + ".weight")
         if found is None:
@@ -288,51 +306,80 @@ def load_model(model: str | None, policy, load_format: str = "auto", seed: int =
     qmethods.validate_method(quantization)
     mesh = mesh if mesh is not None else make_mesh(1)
     path = resolve_model_path(model)
-    gguf_file = _gguf_file(path)
     dummy = load_format == "dummy"
-    if platform_of(mesh) == "cpu" and quantization not in (None, "none"):
-        from jaxllm.quantization import cpu
-        cpu.prepare_async()  # the kernels build while the weights load
-    read = _read_weights(path, gguf_file, dummy, policy, quantization)
-    method = resolve_method(quantization, read.method, path)
-    if dummy and method in qmethods.CHECKPOINT_METHODS:
-        if quantization is not None:
-            raise ValueError(f"load_format='dummy' cannot make {method} weights; use int4 or int8")
-        method = None  # random float weights of the checkpoint's shapes
-    ckpt_arch, weights = read.arch, read.weights
-    tp = plan(ckpt_arch, mesh.size)
-    arch = runtime_arch(ckpt_arch, tp)
-    cls = get_model_class(arch.architecture)
-    layouts = {}
-    if method in qmethods.ONLINE_METHODS:
-        specs = cls.param_specs(ckpt_arch)
+    is_orbax = orbax.is_orbax_checkpoint(path)
+    gguf_file = None if is_orbax else _gguf_file(path)
+    tok_future = None
+    if load_tokenizer:
+        if is_orbax:
+            # imported here, not by both threads at once
+            importlib.import_module("orbax.checkpoint")
+        # importing transformers and reading the tokenizer take a second or more: overlap them
+        # with reading the weights (file reads and copies, mostly outside the GIL)
+        pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+        tok_future = pool.submit(_load_tokenizer, tokenizer or path, None if tokenizer else gguf_file)
+        pool.shutdown(wait=False)
+    ckpt_arch, weights, tokenless = None, None, False
+    if is_orbax:
+        # the engine's own layout, restored into the mesh's shardings as it is
+        meta = orbax.read_metadata(path)
+        orbax.check_compatible(meta, path, mesh.size, quantization)
+        quant = orbax.quant_spec(meta, quant_backend(mesh))
+        if quant is not None and quant.backend == "cpu":
+            from jaxllm.quantization import cpu
+            cpu.prepare_async()  # the kernels build while the weights load
         if dummy:
-            layouts = {n: lay for n, s in specs.items()
-                       if (lay := qmethods.online_layout(method, n, s)) is not None}
+            arch = ArchConfig(**meta["architecture"])
         else:
-            weights, layouts = qmethods.quantize_online(weights, specs, method)
-    elif weights is not None:
-        layouts = {n: qmethods.layout_of(h, read.act if cls.param_specs(ckpt_arch)[n].matrix == "in_out" else "none")
-                   for n, h in weights.items() if isinstance(h, HostQuant)}
-        if read.act != "none":  # an activation-quantized head or embedding stays weight-only
-            layouts = {n: (lay if n not in ("embed_tokens", "lm_head")
-                           else qmethods.QuantLayout(lay.kind, lay.group, lay.offset))
-                       for n, lay in layouts.items()}
-    if weights is not None:  # float16 scales where exact (fewer bytes per step)
-        weights = {k: v.compact() if isinstance(v, HostQuant) else v for k, v in weights.items()}
-        layouts = {k: replace(lay, scale_dtype=weights[k].scale.dtype.name) for k, lay in layouts.items()}
-    quant = None
-    if layouts:
-        quant = qmethods.QuantSpec(method, tuple(sorted(layouts.items())), quant_backend(mesh))
-        _check_shardable(qmethods.quantized_specs(cls.param_specs(arch), quant), mesh)
-    graphdef, abstract_state, shardings = abstract_model(arch, policy, attention_backend, mesh, quant)
+            arch, graphdef, state, meta = orbax.restore(path, policy, attention_backend, mesh, quant)
+        # converted from a bare config.json: token-id prompts only, as with load_format="dummy"
+        tokenless = not meta.get("tokenizer", True)
+        cls = get_model_class(arch.architecture)
+    else:
+        if platform_of(mesh) == "cpu" and quantization not in (None, "none"):
+            from jaxllm.quantization import cpu
+            cpu.prepare_async()  # the kernels build while the weights load
+        read = _read_weights(path, gguf_file, dummy, policy, quantization)
+        method = resolve_method(quantization, read.method, path)
+        if dummy and method in qmethods.CHECKPOINT_METHODS:
+            if quantization is not None:
+                raise ValueError(f"load_format='dummy' cannot make {method} weights; use int4 or int8")
+            method = None  # random float weights of the checkpoint's shapes
+        ckpt_arch, weights = read.arch, read.weights
+        tp = plan(ckpt_arch, mesh.size)
+        arch = runtime_arch(ckpt_arch, tp)
+        cls = get_model_class(arch.architecture)
+        layouts = {}
+        if method in qmethods.ONLINE_METHODS:
+            specs = cls.param_specs(ckpt_arch)
+            if dummy:
+                layouts = {n: lay for n, s in specs.items()
+                           if (lay := qmethods.online_layout(method, n, s)) is not None}
+            else:
+                weights, layouts = qmethods.quantize_online(weights, specs, method)
+        elif weights is not None:
+            layouts = {n: qmethods.layout_of(h, read.act if cls.param_specs(ckpt_arch)[n].matrix == "in_out" else "none")
+                       for n, h in weights.items() if isinstance(h, HostQuant)}
+            if read.act != "none":  # an activation-quantized head or embedding stays weight-only
+                layouts = {n: (lay if n not in ("embed_tokens", "lm_head")
+                               else qmethods.QuantLayout(lay.kind, lay.group, lay.offset))
+                           for n, lay in layouts.items()}
+        if weights is not None:  # float16 scales where exact (fewer bytes per step)
+            weights = {k: v.compact() if isinstance(v, HostQuant) else v for k, v in weights.items()}
+            layouts = {k: replace(lay, scale_dtype=weights[k].scale.dtype.name) for k, lay in layouts.items()}
+        quant = None
+        if layouts:
+            quant = qmethods.QuantSpec(method, tuple(sorted(layouts.items())), quant_backend(mesh))
+            _check_shardable(qmethods.quantized_specs(cls.param_specs(arch), quant), mesh)
+    if dummy or weights is not None:
+        graphdef, abstract_state, shardings = abstract_model(arch, policy, attention_backend, mesh, quant)
     if dummy:
         # random weights of real shapes, each device making only its own shards
         def init():
             return nnx.split(cls(arch, policy, rngs=nnx.Rngs(seed),
                                  attention_backend=attention_backend, mesh=mesh, quant=quant))[1]
         state = jax.jit(init, out_shardings=shardings)()
-    else:
+    elif weights is not None:
         weights = _quant_tp(weights, cls, ckpt_arch, tp, list(layouts))
         weights = cls.tp_transform({k: v for k, v in weights.items() if not isinstance(v, HostQuant)},
                                    ckpt_arch, tp) | {k: v for k, v in weights.items() if isinstance(v, HostQuant)}
@@ -349,11 +396,11 @@ def load_model(model: str | None, policy, load_format: str = "auto", seed: int =
 
         state = jax.tree_util.tree_map_with_path(fill, abstract_state, shardings)
     tok = None
-    if load_tokenizer:
+    if tok_future is not None:
         try:
-            tok = _load_tokenizer(tokenizer or path, None if tokenizer else gguf_file)
+            tok = tok_future.result()
         except (OSError, ValueError) as e:
-            if not dummy:
+            if not (dummy or tokenless):
                 raise ValueError(f"cannot load the tokenizer of {path}: {e}") from e
             # a bare config.json of real shapes: token-id prompts only
             logger.warning("no tokenizer for %s (%s); prompts must be token ids", path, e)
@@ -373,4 +420,4 @@ def describe_quant(quant: qmethods.QuantSpec) -> str:
                     + ("" if lay.act == "none" else f" x {lay.act} activations")
                     for _, lay in quant.layouts})
     return (f"quantization {quant.method}: {len(quant.layouts)} matrices as {', '.join(kinds)}; "
-            f"{'CPU kernels' if quant.backend == 'cpu' else 'XLA dots'}")
+            + {"cpu": "CPU kernels", "pallas": "Pallas kernel"}.get(quant.backend, "XLA dots"))
