@@ -52,7 +52,9 @@ class LLM:
         return self.llm_engine.tokenizer
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request=None) -> list[RequestOutput]:
+        """`lora_request`: a jaxllm.lora.LoRARequest for every prompt, or a list with one (or
+        None) per prompt; each adapter is read and checked before anything runs."""
         if isinstance(prompts, (str, dict)) or _is_token_list(prompts):
             prompts = [prompts]
         prompts = list(prompts)
@@ -64,9 +66,17 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        if isinstance(lora_request, (list, tuple)):
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"got {len(loras)} lora_request for {len(prompts)} prompts")
+        else:
+            loras = [lora_request] * len(prompts)
         engine = self.llm_engine
         # validated and tokenized once, before anything runs: bad input is refused up front
-        requests = [engine.process_inputs(prompt, p) for prompt, p in zip(prompts, params)]
+        requests = [engine.process_inputs(prompt, p, lr) for prompt, p, lr in zip(prompts, params, loras)]
+        for lr in dict.fromkeys(lr for lr in loras if lr is not None):
+            engine.add_lora(lr)
         for r, p in zip(requests, _final_only(params)):
             r.params = p
         ids = [str(next(self._counter)) for _ in prompts]
@@ -113,7 +123,8 @@ class LLM:
         return search.results(self.get_tokenizer())
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True, chat_template: str | None = None) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, chat_template: str | None = None,
+             lora_request=None) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.get_tokenizer()
         prompts = []
@@ -125,4 +136,4 @@ class LLM:
             text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
                                            chat_template=chat_template)
             prompts.append({"prompt": text, "prompt_token_ids": list(ids)})
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)

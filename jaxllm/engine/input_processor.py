@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from jaxllm.lora.request import LoRARequest
 from jaxllm.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
 
 
@@ -18,6 +19,7 @@ class EngineRequest:
     params: SamplingParams
     cache_salt: str | None = None
     bad_word_ids: list[list[int]] | None = None  # SamplingParams.bad_words, tokenized
+    lora_request: "LoRARequest | None" = None
 
 
 class InputProcessor:
@@ -55,16 +57,19 @@ class InputProcessor:
             return None, [int(t) for t in prompt], salt
         raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
 
-    def process(self, prompt, params: SamplingParams | None = None) -> EngineRequest:
+    def process(self, prompt, params: SamplingParams | None = None,
+                lora_request: "LoRARequest | None" = None) -> EngineRequest:
         if isinstance(prompt, EngineRequest):
             return prompt
+        if lora_request is not None and not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         text, ids, salt = self.tokenize(prompt)
         self.check(ids, params)
         bad = self._tokenize_bad_words(params.bad_words) if params.bad_words else None
-        return EngineRequest(text, ids, params, salt, bad)
+        return EngineRequest(text, ids, params, salt, bad, lora_request)
 
     def check(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:

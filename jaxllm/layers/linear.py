@@ -58,8 +58,10 @@ def resolve_policy(dtype: str, platform: str) -> DTypePolicy:
     return uniform_policy(dtype)
 
 
-def linear(x: jax.Array, w: jax.Array, policy: DTypePolicy, bias: jax.Array | None = None) -> jax.Array:
-    """x[..., in] @ w[in, out] (+ bias) in the policy's dtypes; returns `policy.activation`."""
+def linear(x: jax.Array, w: jax.Array, policy: DTypePolicy, bias: jax.Array | None = None,
+           lora=None) -> jax.Array:
+    """x[..., in] @ w[in, out] (+ bias) in the policy's dtypes; returns `policy.activation`.
+    `lora(x, y)` (jaxllm.lora.ops) adds the adapters' delta to the output."""
     if policy.accum == policy.dot:
         y = jnp.dot(x.astype(policy.dot), w.astype(policy.dot))
     else:
@@ -67,4 +69,5 @@ def linear(x: jax.Array, w: jax.Array, policy: DTypePolicy, bias: jax.Array | No
                                 (((x.ndim - 1,), (0,)), ((), ())),
                                 preferred_element_type=policy.accum)
     y = y.astype(policy.activation)
-    return y if bias is None else y + bias.astype(policy.activation)
+    y = y if bias is None else y + bias.astype(policy.activation)
+    return y if lora is None else lora(x, y)

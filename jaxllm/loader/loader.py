@@ -54,6 +54,7 @@ class LoadedModel:
     tokenizer: Any
     eos_token_id: int | None
     mesh: Any = None
+    checkpoint_arch: ArchConfig | None = None  # before tensor-parallel padding (arch: after)
 
 
 def _gguf_file(path: str) -> str | None:
@@ -208,4 +209,4 @@ def load_model(model: str | None, policy, load_format: str = "auto", seed: int =
         eos = tok.eos_token_id
     logger.info("loaded %s (%d layers) from %s; dtype policy %s", arch.architecture,
                 arch.num_layers, path, policy.describe())
-    return LoadedModel(path, arch, graphdef, state, tok, eos, mesh)
+    return LoadedModel(path, arch, graphdef, state, tok, eos, mesh, ckpt_arch)

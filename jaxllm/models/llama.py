@@ -153,7 +153,8 @@ class LlamaForCausalLM(nnx.Module):
     @classmethod
     def tp_transform(cls, weights: dict[str, np.ndarray], cfg: ArchConfig, plan) -> dict[str, np.ndarray]:
         """Checkpoint-shaped host weights -> the runtime layout for `plan` (jaxllm.parallel):
-        KV heads repeated, MLP and vocabulary padded, fused columns device-major."""
+        KV heads repeated, MLP and vocabulary padded, fused columns device-major. Any subset
+        of the parameters may be given (LoRA passes adapter factors shaped like one side)."""
         if plan.size == 1:
             return weights
         out = dict(weights)
@@ -182,9 +183,9 @@ class LlamaForCausalLM(nnx.Module):
         for name in ("layers.w_gate_up", "layers.b_gate_up"):
             if name in out:
                 out[name] = device_major([pad_last(p, plan.mlp_pad) for p in parts(name)], tp)
-        if plan.mlp_pad:
+        if plan.mlp_pad and "layers.w_down" in out:
             out["layers.w_down"] = np.pad(out["layers.w_down"], ((0, 0), (0, plan.mlp_pad), (0, 0)))
-        if plan.vocab_pad:
+        if plan.vocab_pad and "embed_tokens" in out:
             out["embed_tokens"] = np.pad(out["embed_tokens"], ((0, plan.vocab_pad), (0, 0)))
             if "lm_head" in out:
                 out["lm_head"] = pad_last(out["lm_head"], plan.vocab_pad)
@@ -220,9 +221,10 @@ class LlamaForCausalLM(nnx.Module):
         rot = cfg.rotary_dim or cfg.head_dim
         return jnp.asarray(rope_inv_freq(rot, cfg.rope_theta, cfg.rope_scaling)), rope_mscale(cfg.rope_scaling)
 
-    def __call__(self, kv_cache: jax.Array, input_ids: jax.Array,
-                 md: AttentionMetadata) -> tuple[jax.Array, jax.Array]:
-        """Returns (final-normed hidden states [T, E], new kv_cache)."""
+    def __call__(self, kv_cache: jax.Array, input_ids: jax.Array, md: AttentionMetadata,
+                 lora=None) -> tuple[jax.Array, jax.Array]:
+        """Returns (final-normed hidden states [T, E], new kv_cache). `lora`: the step's
+        adapters (jaxllm.lora.ops.LoRAInputs), their weights scanned with the layers'."""
         cfg, pol = self.cfg, self.policy
         T = input_ids.shape[0]
         H, K, D, F, tp = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.tp_size
@@ -233,8 +235,12 @@ class LlamaForCausalLM(nnx.Module):
 
         def layer(carry, w):
             x, kv, i = carry
+
+            def adapters(site):
+                return None if lora is None else lora.hook(site, w["lora"], pol)
+
             h = rms_norm(x, w["input_norm"], eps)
-            qkv = linear(h, w["wqkv"], pol, w.get("bqkv"))
+            qkv = linear(h, w["wqkv"], pol, w.get("bqkv"), adapters("wqkv"))
             q, k, v = split_device_major(qkv, [H * D, K * D, K * D], tp)
             q, k, v = q.reshape(T, H, D), k.reshape(T, K, D), v.reshape(T, K, D)
             if cfg.qk_norm:
@@ -243,19 +249,23 @@ class LlamaForCausalLM(nnx.Module):
             k = apply_rope(k, md.positions, inv_freq, mscale)
             o, kv = attention_block(q, k, v, kv, i, md, scale, cfg.sliding_window,
                                     self.attention_backend, self.mesh)
-            x = x + linear(o.reshape(T, H * D), w["wo"], pol, w.get("bo"))
+            x = x + linear(o.reshape(T, H * D), w["wo"], pol, w.get("bo"), adapters("wo"))
             h = rms_norm(x, w["post_norm"], eps)
-            gate, up = split_device_major(linear(h, w["w_gate_up"], pol, w.get("b_gate_up")), [F, F], tp)
-            x = x + linear(jax.nn.silu(gate) * up, w["w_down"], pol, w.get("b_down"))
+            gate, up = split_device_major(linear(h, w["w_gate_up"], pol, w.get("b_gate_up"),
+                                                 adapters("w_gate_up")), [F, F], tp)
+            x = x + linear(jax.nn.silu(gate) * up, w["w_down"], pol, w.get("b_down"),
+                           adapters("w_down"))
             return (x, kv, i + 1), None
 
         weights = self.layers.weights()
+        if lora is not None:
+            weights["lora"] = lora.weights
         if self.scan_layers:
             (x, kv_cache, _), _ = jax.lax.scan(layer, (x, kv_cache, jnp.int32(0)), weights)
         else:
             for i in range(cfg.num_layers):
                 (x, kv_cache, _), _ = layer((x, kv_cache, jnp.int32(i)),
-                                            {k: w[i] for k, w in weights.items()})
+                                            jax.tree.map(lambda a: a[i], weights))
         return rms_norm(x, self.norm[...], eps), kv_cache
 
 

@@ -21,6 +21,7 @@ from jaxllm.core.block_pool import NULL_BLOCK
 from jaxllm.core.kv_cache_manager import cdiv
 from jaxllm.core.scheduler import SchedulerOutput
 from jaxllm.layers.attention import AttentionMetadata, kv_chunk, max_tiles, q_tile_size
+from jaxllm.lora.ops import LoRAInputs, token_onehot
 from jaxllm.models import get_model_class
 from jaxllm.parallel import make_mesh, platform_of, sharding
 from jaxllm.parallel import multiprocess as mp
@@ -117,18 +118,24 @@ def _host(x) -> np.ndarray:
     return np.asarray(x if x.is_fully_addressable else x.addressable_data(0))
 
 
-def build_step(graphdef, vocab: int, state_sharding, kv_sharding, replicated):
+def build_step(graphdef, vocab: int, state_sharding, kv_sharding, replicated,
+               lora_sharding=None, num_lora_slots: int = 0, tp: int = 1):
     """The one jitted engine step: the model over the flat batch, the logits of the rows that
     sample, sampling, and prompt logprobs when asked for. The cache and sampler state are
-    donated; the sampled tokens also stay in the sampler state for the next step."""
+    donated; the sampled tokens also stay in the sampler state for the next step. With LoRA,
+    the adapter slots' weights come in as arguments and each token names its slot."""
 
-    def step(state, kv_cache, sampler_state, input_ids, md, logits_indices, smd):
+    def step(state, kv_cache, sampler_state, lora_weights, input_ids, md, logits_indices, smd,
+             token_slots):
         model = nnx.merge(graphdef, state)
         # -1: the token the previous step sampled for this row, which the host does not know
         # yet (async scheduling); it waits on the device
         from_device = sampler_state.last_token[smd.rows[md.token_seq_ids]]
         input_ids = jnp.where(input_ids < 0, from_device, input_ids)
-        hidden, kv_cache = model(kv_cache, input_ids, md)
+        lora = None
+        if lora_weights is not None:
+            lora = LoRAInputs(lora_weights, token_onehot(token_slots, num_lora_slots), tp)
+        hidden, kv_cache = model(kv_cache, input_ids, md, lora=lora)
         logits = model.compute_logits(hidden[logits_indices])
         (tokens, lp, rank, top_ids, top_lp), sampler_state = sample(logits, smd, sampler_state)
         T, k = hidden.shape[0], min(MAX_LOGPROBS, vocab)
@@ -143,7 +150,8 @@ def build_step(graphdef, vocab: int, state_sharding, kv_sharding, replicated):
 
     rep = replicated
     return jax.jit(step, donate_argnums=(1, 2),
-                   in_shardings=(state_sharding, kv_sharding, rep, rep, rep, rep, rep),
+                   in_shardings=(state_sharding, kv_sharding, rep, lora_sharding, rep, rep, rep,
+                                 rep, rep),
                    out_shardings=(rep, kv_sharding, rep))
 
 
@@ -155,9 +163,11 @@ def step_compiler_options(platform: str) -> dict | None:
     return {"xla_gpu_memory_limit_slop_factor": 10000} if platform == "gpu" else None
 
 
-def abstract_step_inputs(T: int, S: int, block_size: int, max_blocks_per_seq: int, qt: int):
-    """Shapes of a (T tokens, S sequences) step's inputs after the state, cache and sampler
-    state: input ids, attention metadata, logits indices, sampling metadata."""
+def abstract_step_inputs(T: int, S: int, block_size: int, max_blocks_per_seq: int, qt: int,
+                         lora: bool = False):
+    """Shapes of a (T tokens, S sequences) step's inputs after the state, cache, sampler
+    state and LoRA slots: input ids, attention metadata, logits indices, sampling metadata
+    and each token's adapter slot (None without LoRA)."""
     i32, f32, b = jnp.int32, jnp.float32, jnp.bool_
     sds = jax.ShapeDtypeStruct
     W = max_tiles(T, S, qt)
@@ -170,14 +180,16 @@ def abstract_step_inputs(T: int, S: int, block_size: int, max_blocks_per_seq: in
         sds((S,), i32), sds((S,), i32), sds((S,), b), sds((S,), f32), sds((S,), f32),
         sds((S,), f32), sds((S,), i32), sds((S,), b), sds((S, MAX_BANNED), i32), sds((T,), i32),
         *[sds((), b)] * 8)
-    return sds((T,), i32), md, sds((S,), i32), smd
+    return sds((T,), i32), md, sds((S,), i32), smd, sds((T,), i32) if lora else None
 
 
 class ModelRunner:
     def __init__(self, loaded, dtype, num_blocks: int, block_size: int, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, num_host_blocks: int = 0,
-                 attention_backend: str = "xla"):
+                 attention_backend: str = "xla", lora=None):
         self.arch = loaded.arch
+        self.lora = lora  # jaxllm.lora.slots.LoRASlots, or None
+        self.lora_failures: dict[int, str] = {}  # adapters the last dispatch could not bring in
         self.attention_backend = attention_backend
         self.graphdef = loaded.graphdef
         self.state = loaded.state
@@ -209,7 +221,9 @@ class ModelRunner:
         self.channel = mp.Channel() if jax.process_count() > 1 else None
         self._step = build_step(self.graphdef, self.vocab,
                                 jax.tree.map(lambda x: x.sharding, self.state),
-                                self.kv_sharding, self.replicated)
+                                self.kv_sharding, self.replicated,
+                                lora.shardings if lora else None,
+                                lora.num_slots if lora else 0, self.arch.tp_size)
         rep = self.replicated
         self._set_rows = jax.jit(set_rows, donate_argnums=(0,), in_shardings=rep, out_shardings=rep)
 
@@ -218,20 +232,24 @@ class ModelRunner:
 
     # compilation
     def _abstract_inputs(self, T: int, S: int):
-        return abstract_step_inputs(T, S, self.block_size, self.max_blocks_per_seq, self.q_tile(T))
+        return abstract_step_inputs(T, S, self.block_size, self.max_blocks_per_seq, self.q_tile(T),
+                                    self.lora is not None)
 
     def _abstract(self, tree):
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
     def _compile(self, T: int, S: int):
+        lora = self._abstract(self.lora.weights) if self.lora else None
         return self._step.lower(self._abstract(self.state), self._abstract(self.kv_cache),
-                                self._abstract(self.sampler_state),
+                                self._abstract(self.sampler_state), lora,
                                 *self._abstract_inputs(T, S)).compile(
             step_compiler_options(platform_of(self.mesh)))
 
     def compile_all(self, progress: bool = True) -> float:
         start = time.perf_counter()
         self.block_ops.compile()
+        if self.lora is not None:
+            self.lora.compile()
         K, sds = ROW_INIT_GROUP, jax.ShapeDtypeStruct
         self._set_rows = self._set_rows.lower(
             self._abstract(self.sampler_state), sds((K,), jnp.int32),
@@ -264,7 +282,7 @@ class ModelRunner:
         for new in out.scheduled_new_reqs:
             p = new.sampling_params
             row = batch.add(new.req_id, new.token_ids, new.num_prompt_tokens, new.block_ids,
-                            p, new.seed, new.bad_word_ids)
+                            p, new.seed, new.bad_word_ids, new.lora_id)
             if p.has_penalties or p.has_bias or p.min_tokens > 0:
                 self._pending_rows.append((row, new))
         for cached in out.scheduled_cached_reqs:
@@ -324,8 +342,9 @@ class ModelRunner:
             exe = self._compiled[shape] = self._compile(*shape)
             self.num_compiles_after_warmup += 1
             logger.warning("compiled step shape %s outside warm-up", shape)
+        lora = self.lora.weights if self.lora else None
         res, self.kv_cache, self.sampler_state = exe(self.state, self.kv_cache,
-                                                     self.sampler_state, *self._put(inputs))
+                                                     self.sampler_state, lora, *self._put(inputs))
         return res
 
     def _set_sampler_rows(self, args, announced: bool = False) -> None:
@@ -390,11 +409,19 @@ class ModelRunner:
         logits_idx = np.zeros(S, np.int32)
         logits_idx[:S_real] = md.query_start_loc[1:S_real + 1] - 1
         smd = self._sampling_metadata(rows, n, starts, final, md, T, S)
+        token_slots = None
+        if self.lora is not None:
+            # each token's adapter slot (0: none); the step's adapters are brought in first
+            keys = batch.lora_id[rows]
+            slot_of, self.lora_failures = self.lora.activate(keys.tolist())
+            row_slots = np.fromiter((slot_of.get(k, 0) for k in keys.tolist()), np.int32, len(rows))
+            token_slots = np.zeros(T, np.int32)
+            token_slots[:T_real] = row_slots[md.token_seq_ids[:T_real]]
         c = batch.cols
         step = _Step(req_ids, rows, batch.serial[rows].copy(), starts, n, final,
                      c["num_logprobs"][rows].copy(), c["num_prompt_logprobs"][rows].copy(),
                      batch.num_prompt_tokens[rows].copy())
-        return step, (T, S), (input_ids, md, logits_idx, smd)
+        return step, (T, S), (input_ids, md, logits_idx, smd, token_slots)
 
     def _sampling_metadata(self, rows, n, starts, final, md, T: int, S: int) -> SamplingMetadata:
         batch, c = self.batch, self.batch.cols
@@ -445,6 +472,7 @@ class ModelRunner:
     def dispatch(self, out: SchedulerOutput) -> "InFlight | None":
         """Start a step on the device and return at once (JAX dispatches asynchronously); its
         results are read by collect(). Block moves and row updates happen first."""
+        self.lora_failures = {}
         if out.has_block_ops:
             # swap-outs first: their device blocks may be handed out again in this very step
             ops = self.block_ops
@@ -455,7 +483,7 @@ class ModelRunner:
         if out.is_empty:
             return None
         step, shape, inputs = self._prepare(out, list(out.num_scheduled_tokens))
-        smd = inputs[-1]
+        smd = inputs[3]
         res = self._run_step(shape, inputs)
         self.num_steps += 1
         return InFlight(step, res, bool(smd.any_logprobs), bool(smd.any_prompt_logprobs))
