@@ -209,3 +209,154 @@ def test_mixed_batches_equal_each_alone_and_hf(lora_llm, adapters):
     assert engine.runner.lora.num_loads > len(adapters)      # slots were reused
     assert engine.lora.num_disk_loads > len(adapters)        # the host cache let some go
     assert engine.runner.num_compiles_after_warmup == 0
+
+
+# strict validation (item 3): the host reader, no engine
+
+
+@pytest.fixture(scope="module")
+def tiny_layout(tiny_llama):
+    from jaxllm.lora.peft import base_model_names
+    from jaxllm.models import get_model_class
+    from jaxllm.models.registry import arch_from_hf
+    import json
+    with open(os.path.join(tiny_llama, "config.json")) as f:
+        arch = arch_from_hf(json.load(f))
+    return LoRALayout(get_model_class(arch.architecture), arch, 1, MAX_RANK), base_model_names(tiny_llama, tiny_llama)
+
+
+@pytest.fixture(scope="module")
+def good_adapter(tiny_llama, tmp_path_factory):
+    d = tmp_path_factory.mktemp("good") / "ad"
+    make_adapter(d, tiny_llama, seed=3, r=8, lora_alpha=8, target_modules=["q_proj", "down_proj"])
+    return d
+
+
+def edited_copy(src, dst, config=None, tensors=None):
+    """A copy of an adapter with its config updated and its tensors passed through `tensors`."""
+    import json
+    import shutil
+    from safetensors.numpy import load_file, save_file
+    shutil.copytree(src, dst)
+    if config:
+        cfg = json.loads((dst / "adapter_config.json").read_text())
+        cfg.update(config)
+        (dst / "adapter_config.json").write_text(json.dumps(cfg))
+    if tensors:
+        path = dst / "adapter_model.safetensors"
+        save_file(tensors(dict(load_file(path))), path)
+    return LoRARequest("edited", 7, str(dst))
+
+
+def test_rank_above_max_lora_rank_is_refused(tiny_llama, tiny_layout, tmp_path):
+    layout, names = tiny_layout
+    make_adapter(tmp_path / "big", tiny_llama, r=32, lora_alpha=32, target_modules=["v_proj"])
+    req = LoRARequest("big-one", 3, str(tmp_path / "big"))
+    with pytest.raises(ValueError, match=r"'big-one'.*v_proj has rank 32, above max_lora_rank=16"):
+        load_adapter(req, layout, names)
+    # one module of a larger rank than the others (rank_pattern) is found as well
+    make_adapter(tmp_path / "mixed", tiny_llama, r=8, lora_alpha=8, target_modules=["q_proj", "o_proj"],
+                 rank_pattern={"o_proj": 24})
+    with pytest.raises(ValueError, match=r"'mixed'.*o_proj has rank 24, above max_lora_rank=16"):
+        load_adapter(LoRARequest("mixed", 4, str(tmp_path / "mixed")), layout, names)
+
+
+def test_missing_module_wrong_shape_other_base_are_refused(good_adapter, tiny_layout, tmp_path):
+    layout, names = tiny_layout
+    assert load_adapter(LoRARequest("good", 1, str(good_adapter)), layout, names).modules == ("down_proj", "q_proj")
+
+    def rename(t):  # a module this model does not have
+        return {k.replace("mlp.down_proj", "mlp.fc1"): v for k, v in t.items()}
+    req = edited_copy(good_adapter, tmp_path / "fc1", tensors=rename)
+    with pytest.raises(ValueError, match=r"'edited'.*targets module 'model.layers.0.mlp.fc1'.*"
+                                         r"LlamaForCausalLM does not have.*q_proj"):
+        load_adapter(req, layout, names)
+    req = edited_copy(good_adapter, tmp_path / "lm_head", config={"target_modules": ["q_proj", "lm_head"]})
+    with pytest.raises(ValueError, match=r"'edited'.*target module 'lm_head' is not a projection"):
+        load_adapter(req, layout, names)
+
+    def widen(t):  # lora_B one row too many for the 64-wide q_proj
+        k = "base_model.model.model.layers.1.self_attn.q_proj.lora_B.weight"
+        return {**t, k: np.zeros((65, 8), np.float32)}
+    req = edited_copy(good_adapter, tmp_path / "shape", tensors=widen)
+    with pytest.raises(ValueError, match=r"'edited'.*layers.1.self_attn.q_proj has lora_A \(8, 64\) "
+                                         r"and lora_B \(65, 8\); .*needs lora_A \(r, 64\) and lora_B \(64, r\)"):
+        load_adapter(req, layout, names)
+    req = edited_copy(good_adapter, tmp_path / "other", config={"base_model_name_or_path": "someorg/Other-7B"})
+    with pytest.raises(ValueError, match=r"'edited'.*base model is 'someorg/Other-7B'.*serves '/"):
+        load_adapter(req, layout, names)
+    req = edited_copy(good_adapter, tmp_path / "dora", config={"use_dora": True})
+    with pytest.raises(ValueError, match=r"'edited'.*use_dora=True is not supported"):
+        load_adapter(req, layout, names)
+    with pytest.raises(ValueError, match=r"'nowhere'.*no adapter_config.json"):
+        load_adapter(LoRARequest("nowhere", 1, str(tmp_path / "nope")), layout, names)
+
+
+def test_base_model_names_match_hub_ids_and_paths():
+    from jaxllm.lora.peft import same_model
+    assert same_model("HuggingFaceTB/SmolLM2-135M-Instruct", ["/x/y.gguf", "SmolLM2-135M-Instruct"])
+    assert same_model("/models/llama/", ["/models/llama"])
+    assert not same_model("meta-llama/Llama-3-8B", ["/models/llama-3-8b-instruct"])
+
+
+def test_engine_refuses_bad_adapters_and_keeps_serving(lora_llm, adapters, tiny_llama, tmp_path):
+    """A refused adapter stops generate() before anything runs; ids and names stay unique;
+    the engine serves on, nothing left behind. An engine without LoRA refuses lora_request."""
+    from jaxllm import SamplingParams
+    engine = lora_llm.llm_engine
+    make_adapter(tmp_path / "big", tiny_llama, r=32, lora_alpha=32, target_modules=["v_proj"])
+    params = SamplingParams(max_tokens=3)
+    with pytest.raises(ValueError, match="'big'.*rank 32, above max_lora_rank=16"):
+        lora_llm.generate(["a", "b"], params, use_tqdm=False,
+                          lora_request=[None, LoRARequest("big", 40, str(tmp_path / "big"))])
+    ad0 = adapters[0][0]
+    assert engine.add_lora(ad0) and ad0.lora_int_id in engine.list_loras()
+    with pytest.raises(ValueError, match="lora_int_id 1 is registered for adapter 'ad0'"):
+        lora_llm.generate("a", params, use_tqdm=False,
+                          lora_request=LoRARequest("other", ad0.lora_int_id, ad0.lora_path))
+    with pytest.raises(ValueError, match="lora_name 'ad0' is registered with lora_int_id 1"):
+        lora_llm.generate("a", params, use_tqdm=False, lora_request=LoRARequest("ad0", 41, ad0.lora_path))
+    assert 40 not in engine.list_loras() and not engine.has_unfinished_requests()
+    out = lora_llm.generate("a", params, use_tqdm=False, lora_request=ad0)
+    assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_prefix_cache_is_keyed_by_adapter(lora_llm, adapters):
+    """The same prompt with another adapter (or none) never hits blocks computed with a
+    different one; with the same adapter it does, and gives the same tokens."""
+    from jaxllm import SamplingParams
+    prompt = {"prompt_token_ids": list(range(100, 160))}
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+
+    def run(lr):
+        return lora_llm.generate(prompt, params, use_tqdm=False, lora_request=lr)[0]
+    first = run(adapters[1][0])
+    assert first.num_cached_tokens == 0
+    assert run(adapters[2][0]).num_cached_tokens == 0
+    assert run(None).num_cached_tokens == 0
+    again = run(adapters[1][0])
+    assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == first.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("variant", ["llama3", "phi3"])
+def test_tensor_parallel_adapters_sharded_and_exact(tmp_path, variant):
+    """On 4 fake devices (KV heads repeated, the MLP padded, fused columns device-major) the
+    adapter is sharded along the base weights' axes and the logits still match HF + PEFT."""
+    import json
+    import subprocess
+    import sys
+    base_dir = str(tmp_path / "base")
+    make_tiny_checkpoint(base_dir, variant, intermediate_size=126)
+    ref_model = make_adapter(tmp_path / "ad", base_dir, seed=5, r=8, lora_alpha=16,
+                             target_modules="all-linear")
+    ids = np.random.default_rng(2).integers(0, 49152, size=21)
+    np.savez(tmp_path / "ref.npz", ids=ids, logits=ref_logits(ref_model, ids.tolist()))
+    proc = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "lora_tp_worker.py"),
+                           base_dir, str(tmp_path / "ad"), str(tmp_path / "ref.npz")],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))[7:])
+    assert res["rel"] < 1e-4, res
+    assert res["qkv_B"] == [[None, None, "tp"]] * 3 and res["qkv_A"] == [None, None, None]
+    assert res["down_A"] == [None, "tp", None]
+    assert res["down_A_shape"][1] == 128 and res["down_A_shard"][1] == 32  # 126 padded to 128

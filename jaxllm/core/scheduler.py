@@ -252,8 +252,8 @@ class Scheduler:
             req = self.waiting[0]
             if req.num_output_placeholders:
                 break  # its last token is still in flight: the host must know it first
-            if req.lora_id and req.lora_id not in loras and (
-                    skipped or len(loras) >= self.max_loras):
+            if req.lora_id and (skipped or (req.lora_id not in loras
+                                            and len(loras) >= self.max_loras)):
                 # Running requests use max_loras adapters already. Base requests go on; later
                 # requests with an adapter wait behind this one (even those whose adapter runs)
                 # so that the running adapters drain and this one gets in: no adapter starves.
