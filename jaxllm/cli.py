@@ -37,6 +37,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--scheduling-policy", default=None, choices=["fcfs", "priority"])
     g.add_argument("--preemption-mode", default=None, choices=["recompute", "swap"])
     g.add_argument("--swap-space", type=float, default=None, help="GiB of host memory for swap")
+    g.add_argument("--enable-lora", action="store_true", default=None,
+                   help="serve LoRA adapters over the base model (jaxllm.lora)")
+    g.add_argument("--max-loras", type=int, default=None,
+                   help="distinct adapters in one step: device slots (default 1)")
+    g.add_argument("--max-lora-rank", type=int, default=None,
+                   help="largest adapter rank; a larger one is refused (default 16)")
+    g.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="adapters kept loaded in host memory (default max-loras)")
     g.add_argument("--compilation-cache-dir", default=None,
                    help="persistent XLA compilation cache (default ~/.cache/jaxllm/xla)")
 
@@ -110,7 +118,8 @@ def cmd_serve(args) -> int:
             raise SystemExit("give the model once: as MODEL or as --model")
         args.model = args.model_tag
     return run_server(engine_config_from_args(args), args.host, args.port, args.served_model_name,
-                      args.api_key, args.max_queue_len, args.shutdown_timeout, args.log_interval)
+                      args.api_key, args.max_queue_len, args.shutdown_timeout, args.log_interval,
+                      args.lora_modules)
 
 
 def main(argv=None) -> int:
@@ -143,6 +152,9 @@ def main(argv=None) -> int:
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on SIGTERM")
     p.add_argument("--log-interval", type=float, default=10.0, help="seconds between stats lines")
+    p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters served under these model names (with --enable-lora); "
+                        "JSON {\"name\", \"path\", \"base_model_name\"} also works")
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
 

@@ -103,8 +103,10 @@ class LLM:
             bar.close()
         return [final[i] for i in ids]
 
-    def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
-        """Beam search over each prompt (a string, token ids or a prompt dict)."""
+    def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False,
+                    lora_request=None) -> list[BeamSearchOutput]:
+        """Beam search over each prompt (a string, token ids or a prompt dict), with one
+        adapter (jaxllm.lora.LoRARequest) for all of them if given."""
         if isinstance(prompts, (str, dict)) or _is_token_list(prompts):
             prompts = [prompts]
         engine = self.llm_engine
@@ -116,7 +118,7 @@ class LLM:
         bar = tqdm(total=params.max_tokens, desc="beam search", disable=not use_tqdm)
         while pending := search.pending():
             outs = self.generate([{"prompt_token_ids": t} for t in pending], search.step_params(),
-                                 use_tqdm=False)
+                                 use_tqdm=False, lora_request=lora_request)
             search.advance([o.outputs[0].logprobs[0] for o in outs])
             bar.update(1)
         bar.close()

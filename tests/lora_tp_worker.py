@@ -21,7 +21,7 @@ def main():
     from jaxllm.lora.slots import LoRASlots
     from jaxllm.models import get_model_class
     from jaxllm.parallel import make_mesh
-    from test_lora import model_logits
+    from test_lora import logits_fn
 
     ref = np.load(data)
     ids, ref = ref["ids"].tolist(), ref["logits"]
@@ -32,7 +32,7 @@ def main():
     slots = LoRASlots(layout, 2, jnp.float32, mesh, registry.adapter)
     key = registry.add(LoRARequest("a", 1, adapter))
     slot, _ = slots.activate([key])
-    ours = model_logits(loaded, slots.weights, 2, ids, slot[key])
+    ours = logits_fn(loaded, 2, ids)(slots.weights, slot[key])
     w = slots.weights
 
     def axes(x):

@@ -65,8 +65,9 @@ ADAPTERS = {
 }
 
 
-def model_logits(loaded, slots_weights, num_slots: int, ids, slot: int):
-    """Our logits at every position of one prompt run with device slot `slot` (0: none)."""
+def logits_fn(loaded, num_slots: int, ids):
+    """f(slot weights, slot) -> our logits at every position of one prompt, every token run
+    with device slot `slot` (0: none); compiled once."""
     from flax import nnx
     from jaxllm.lora.ops import LoRAInputs, token_onehot
     from jaxllm.runner.model_runner import kv_cache_shape
@@ -76,14 +77,15 @@ def model_logits(loaded, slots_weights, num_slots: int, ids, slot: int):
     kv = jnp.zeros(kv_cache_shape(loaded.arch, md.block_tables.shape[1] + 1, md.block_size), jnp.float32)
 
     @jax.jit
-    def run(state, weights, kv, ids, md, slots):
+    def run(state, weights, kv, ids, md, slot):
         model = nnx.merge(loaded.graphdef, state)
+        slots = jnp.full(ids.shape, slot, jnp.int32)
         lora = LoRAInputs(weights, token_onehot(slots, num_slots), loaded.arch.tp_size)
         hidden, _ = model(kv, ids, md, lora=lora)
         return model.compute_logits(hidden)
 
-    slots = jnp.full(len(ids), slot, jnp.int32)
-    return np.asarray(run(loaded.state, slots_weights, kv, jnp.asarray(ids, jnp.int32), md, slots))
+    tokens = jnp.asarray(ids, jnp.int32)
+    return lambda weights, slot: np.asarray(run(loaded.state, weights, kv, tokens, md, jnp.int32(slot)))
 
 
 @pytest.mark.parametrize("variant", sorted(TINY_VARIANTS))
@@ -109,17 +111,18 @@ def test_logits_match_hf_peft(tmp_path, variant):
     slots.activate([filler])
     ids = np.random.default_rng(0).integers(0, hf.config.vocab_size, size=29).tolist()
     scale = np.abs(ref_logits(hf, ids)).max()
+    logits = logits_fn(loaded, 3, ids)
     for key, ref_model in zip(reversed(keys), reversed(refs)):
         token_slot, failed = slots.activate([key])
         assert not failed
-        ours = model_logits(loaded, slots.weights, 3, ids, token_slot[key])
+        ours = logits(slots.weights, token_slot[key])
         ref = ref_logits(ref_model, ids)
         rel = np.abs(ours - ref).max() / scale
         assert rel < 1e-4, f"{variant} adapter {key}: max relative error {rel:.2e}"
         with ref_model.disable_adapter():
             assert np.abs(ref - ref_logits(ref_model, ids)).max() > 1e-2 * scale  # it does something
     assert sorted(slots.resident.values()) == [0, 1, 2]
-    base = model_logits(loaded, slots.weights, 3, ids, 0)
+    base = logits(slots.weights, 0)
     np.testing.assert_allclose(base, ref_logits(hf, ids), rtol=0, atol=1e-4 * scale)
 
 

@@ -73,7 +73,9 @@ def kv_budget_bytes(limit: int, in_use: int, scratch: int, utilization: float,
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, lora_modules=(), model_names=()):
+        """lora_modules: LoRARequests registered before anything compiles (a refused one stops
+        the start); model_names: what else the base model is called, for their base check."""
         start = time.perf_counter()
         self.config = config
         claim_device_memory(config.gpu_memory_utilization)
@@ -104,6 +106,12 @@ class LLMEngine:
         self.is_follower = jax.process_index() != 0
         # LoRA: the adapters known (a host registry and cache) and the device slots
         self.lora, lora_slots = (self._setup_lora(loaded) if config.enable_lora else (None, None))
+        if lora_modules and self.lora is None:
+            raise ValueError("LoRA modules need enable_lora=True")
+        if self.lora is not None:
+            self.lora.base_names += list(model_names)
+            for lora in lora_modules:
+                self.lora.add(lora)
         num_blocks = 0 if self.is_follower else self._num_blocks(platform, per_block, loaded, lora_slots)
         if jax.process_count() > 1:  # every process sizes its cache as process 0 did
             num_blocks = mp.Channel().announce(mp.INIT, num_blocks)[1]
@@ -221,10 +229,19 @@ class LLMEngine:
         return self.inputs.process(prompt, params, lora_request)
 
     # LoRA adapters
-    def add_lora(self, lora_request) -> bool:
-        """Register an adapter: read and checked now (ValueError naming it if refused)."""
-        self._lora_key(lora_request)
+    def add_lora(self, lora_request, adapter=None) -> bool:
+        """Register an adapter: read and checked now (ValueError naming it if refused), or
+        given as read by read_lora()."""
+        if self.lora is None:
+            raise ValueError("LoRA adapters need an engine started with enable_lora=True")
+        self.lora.add(lora_request, adapter)
         return True
+
+    def read_lora(self, lora_request):
+        """Read and check an adapter for add_lora() (safe to call from another thread)."""
+        if self.lora is None:
+            raise ValueError("LoRA adapters need an engine started with enable_lora=True")
+        return self.lora.read(lora_request)
 
     def remove_lora(self, lora_int_id: int) -> bool:
         """Unregister an adapter; requests already running with it finish with it."""

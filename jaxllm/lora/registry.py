@@ -50,12 +50,17 @@ class LoRARegistry:
                              f"{known.lora_int_id}, not {req.lora_int_id}")
         return None
 
-    def add(self, req: LoRARequest) -> int:
-        """Register `req` (reading and checking it now; ValueError if it is refused); its key."""
+    def read(self, req: LoRARequest) -> Adapter:
+        """Read and check an adapter without registering it (safe off the engine's thread)."""
+        return load_adapter(req, self.layout, self.base_names)
+
+    def add(self, req: LoRARequest, adapter: Adapter | None = None) -> int:
+        """Register `req`, read and checked now unless `adapter` is its read() (ValueError
+        if it is refused); returns its key."""
         key = self.key_of(req)
         if key is not None:
             return key
-        adapter = self._read(req)
+        adapter = self._read(req) if adapter is None else adapter
         key, self._next_key = self._next_key, self._next_key + 1
         self.requests[key] = req
         self._by_id[req.lora_int_id] = key
@@ -103,7 +108,7 @@ class LoRARegistry:
 
     def _read(self, req: LoRARequest) -> Adapter:
         self.num_disk_loads += 1
-        return load_adapter(req, self.layout, self.base_names)
+        return self.read(req)
 
     def _put(self, key: int, adapter: Adapter) -> None:
         self._cache[key] = adapter
