@@ -69,7 +69,7 @@ def logits_fn(loaded, num_slots: int, ids):
     """f(slot weights, slot) -> our logits at every position of one prompt, every token run
     with device slot `slot` (0: none); compiled once."""
     from flax import nnx
-    from jaxllm.lora.ops import LoRAInputs, token_onehot
+    from jaxllm.lora.ops import LoRAInputs
     from jaxllm.runner.model_runner import kv_cache_shape
     from test_models import prefill_metadata
 
@@ -80,7 +80,7 @@ def logits_fn(loaded, num_slots: int, ids):
     def run(state, weights, kv, ids, md, slot):
         model = nnx.merge(loaded.graphdef, state)
         slots = jnp.full(ids.shape, slot, jnp.int32)
-        lora = LoRAInputs(weights, token_onehot(slots, num_slots), loaded.arch.tp_size)
+        lora = LoRAInputs.of(weights, slots, num_slots, loaded.arch.tp_size)
         hidden, _ = model(kv, ids, md, lora=lora)
         return model.compute_logits(hidden)
 

@@ -39,17 +39,24 @@ class LoRAInputs:
     scans them with its own) and which slot each token runs."""
     weights: dict          # site -> {"A": [L, in, N*P*R], "B": ([L, N*R, out_p], ...)}
     onehot: jax.Array      # [T, N]
+    active: jax.Array      # scalar: does any token run an adapter
     tp: int = field(metadata=dict(static=True), default=1)
 
+    @classmethod
+    def of(cls, weights: dict, token_slots: jax.Array, num_slots: int, tp: int) -> "LoRAInputs":
+        """token_slots [T]: 0 for no adapter, n for slot n - 1."""
+        onehot = (token_slots[:, None] == jnp.arange(1, num_slots + 1)).astype(jnp.float32)
+        return cls(weights, onehot, jnp.any(token_slots > 0), tp)
+
     def hook(self, site: str, layer_weights: dict, policy: DTypePolicy):
-        """For `linear(..., lora=)`: adds this site's delta to the base output, or None when
-        no adapter can target the site."""
+        """For `linear(..., lora=)`: adds this site's delta to the base output (skipped when
+        no token of the step runs an adapter), or None when no adapter can target the site."""
         w = layer_weights.get(site)
         if w is None:
             return None
-        return lambda x, y: y + lora_delta(x, w["A"], w["B"], self.onehot, self.tp, policy)
 
-
-def token_onehot(token_slots: jax.Array, num_slots: int) -> jax.Array:
-    """token_slots [T] (0: no adapter, n: slot n - 1) -> [T, num_slots] in f32."""
-    return (token_slots[:, None] == jnp.arange(1, num_slots + 1)).astype(jnp.float32)
+        def add(x, y):
+            return jax.lax.cond(
+                self.active, lambda: y + lora_delta(x, w["A"], w["B"], self.onehot, self.tp, policy),
+                lambda: y)
+        return add

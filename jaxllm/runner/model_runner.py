@@ -21,7 +21,7 @@ from jaxllm.core.block_pool import NULL_BLOCK
 from jaxllm.core.kv_cache_manager import cdiv
 from jaxllm.core.scheduler import SchedulerOutput
 from jaxllm.layers.attention import AttentionMetadata, kv_chunk, max_tiles, q_tile_size
-from jaxllm.lora.ops import LoRAInputs, token_onehot
+from jaxllm.lora.ops import LoRAInputs
 from jaxllm.models import get_model_class
 from jaxllm.parallel import make_mesh, platform_of, sharding
 from jaxllm.parallel import multiprocess as mp
@@ -134,7 +134,7 @@ def build_step(graphdef, vocab: int, state_sharding, kv_sharding, replicated,
         input_ids = jnp.where(input_ids < 0, from_device, input_ids)
         lora = None
         if lora_weights is not None:
-            lora = LoRAInputs(lora_weights, token_onehot(token_slots, num_lora_slots), tp)
+            lora = LoRAInputs.of(lora_weights, token_slots, num_lora_slots, tp)
         hidden, kv_cache = model(kv_cache, input_ids, md, lora=lora)
         logits = model.compute_logits(hidden[logits_indices])
         (tokens, lp, rank, top_ids, top_lp), sampler_state = sample(logits, smd, sampler_state)
