@@ -108,13 +108,16 @@ def replay(runner, shape, inputs, steps: int, blocks: int = 3) -> dict:
     return {"wall_s": min(wall), "cpu_s": min(cpu)}
 
 
-def decode_step(llm, prompts, output_len: int, loras, replay_steps: int, spreads=()) -> dict:
+def decode_step(llm, prompts, loras, replay_steps: int, spreads=()) -> dict:
     """A decode step of the whole batch timed on the device alone (latency.py's replay); with
     `spreads`, replayed again with its sequences spread over k adapters for each k."""
     from benchmarks.latency import _Recorder, _run_batch
     engine = llm.llm_engine
     rec = _Recorder(engine.runner)
     rec.batch = len(prompts)
+    # outputs long enough that every sequence still decodes once the last prompt is in
+    budget = engine.config.max_num_batched_tokens
+    output_len = -(-sum(len(p) for p in prompts) // budget) + 8
     for lr in dict.fromkeys(x for x in loras if x is not None):
         engine.add_lora(lr)
     reqs = [(f"step-{i}-{time.monotonic_ns()}", p, output_len) for i, p in enumerate(prompts)]
@@ -123,7 +126,10 @@ def decode_step(llm, prompts, output_len: int, loras, replay_steps: int, spreads
         engine.add_request(rid, {"prompt_token_ids": p},
                            SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
                            lora_request=lr)
-    _run_batch(engine, [])  # runs them to completion, recording full-batch decode steps
+    try:
+        _run_batch(engine, [])  # runs them to completion, recording full-batch decode steps
+    finally:
+        engine.runner._run_step = rec._run
     shape, inputs = rec.middle()
     out = {"shape": list(shape), "step": replay(engine.runner, shape, inputs, replay_steps)}
     for k in spreads:  # the same step with its tokens spread over k adapter slots (0: none)
@@ -234,9 +240,9 @@ def run(args) -> int:
             runs["base"].append(throughput(base_llm, prompts, args.output_len, none))
             runs["lora_base"].append(throughput(lora_llm, prompts, args.output_len, none))
             runs["lora"].append(throughput(lora_llm, prompts, args.output_len, spread))
-            steps["base"].append(decode_step(base_llm, step_prompts, 16, [None] * len(step_prompts),
+            steps["base"].append(decode_step(base_llm, step_prompts, [None] * len(step_prompts),
                                              args.replay_steps))
-            steps["lora"].append(decode_step(lora_llm, step_prompts, 16, step_spread,
+            steps["lora"].append(decode_step(lora_llm, step_prompts, step_spread,
                                              args.replay_steps, spreads=range(max_loras + 1)))
         slots_mib = lora_llm.llm_engine.runner.lora.nbytes / 2**20
         recompiles = lora_llm.llm_engine.runner.num_compiles_after_warmup

@@ -65,9 +65,10 @@ ADAPTERS = {
 }
 
 
-def logits_fn(loaded, num_slots: int, ids):
+def logits_fn(loaded, num_slots: int, ids, scan_layers: bool = True):
     """f(slot weights, slot) -> our logits at every position of one prompt, every token run
-    with device slot `slot` (0: none); compiled once."""
+    with device slot `slot` (0: none), the layers scanned (CPU) or unrolled (GPU); compiled
+    once."""
     from flax import nnx
     from jaxllm.lora.ops import LoRAInputs
     from jaxllm.runner.model_runner import kv_cache_shape
@@ -79,6 +80,7 @@ def logits_fn(loaded, num_slots: int, ids):
     @jax.jit
     def run(state, weights, kv, ids, md, slot):
         model = nnx.merge(loaded.graphdef, state)
+        model.scan_layers = scan_layers
         slots = jnp.full(ids.shape, slot, jnp.int32)
         lora = LoRAInputs.of(weights, slots, num_slots, loaded.arch.tp_size)
         hidden, _ = model(kv, ids, md, lora=lora)
@@ -124,6 +126,10 @@ def test_logits_match_hf_peft(tmp_path, variant):
     assert sorted(slots.resident.values()) == [0, 1, 2]
     base = logits(slots.weights, 0)
     np.testing.assert_allclose(base, ref_logits(hf, ids), rtol=0, atol=1e-4 * scale)
+    if variant == "llama3":  # the layers unrolled, as on a GPU: the slots indexed per layer
+        unrolled = logits_fn(loaded, 3, ids, scan_layers=False)
+        np.testing.assert_allclose(unrolled(slots.weights, token_slot[key]), ours, rtol=0,
+                                   atol=1e-5 * scale)
 
 
 ENGINE_ADAPTERS = [
@@ -363,3 +369,33 @@ def test_tensor_parallel_adapters_sharded_and_exact(tmp_path, variant):
     assert res["qkv_B"] == [[None, None, "tp"]] * 3 and res["qkv_A"] == [None, None, None]
     assert res["down_A"] == [None, "tp", None]
     assert res["down_A_shape"][1] == 128 and res["down_A_shard"][1] == 32  # 126 padded to 128
+
+
+def test_adapter_gone_from_disk_aborts_only_its_requests(lora_llm, adapters, tmp_path):
+    """An adapter the host cache let go whose files have since disappeared: its requests end
+    aborted, the others in the same steps finish; it is unregistered, and naming it again is
+    refused with the reason."""
+    import shutil
+    from jaxllm import SamplingParams
+    engine = lora_llm.llm_engine
+    shutil.copytree(adapters[0][0].lora_path, tmp_path / "doomed")
+    doomed = LoRARequest("doomed", 50, str(tmp_path / "doomed"))
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    lora_llm.generate("x", params, use_tqdm=False, lora_request=doomed)
+    # four other adapters pass through: the host cache (4) and the slots (3) let it go
+    for lr, _ in adapters[1:]:
+        lora_llm.generate("y", params, use_tqdm=False, lora_request=lr)
+    assert engine.lora.key_of(doomed) not in engine.lora.cached_keys
+    shutil.rmtree(tmp_path / "doomed")
+    outs = lora_llm.generate(["base", "doomed", "other"], params, use_tqdm=False,
+                             lora_request=[None, doomed, adapters[1][0]])
+    assert [o.outputs[0].finish_reason for o in outs] == ["length", "abort", "length"]
+    assert doomed.lora_int_id not in engine.list_loras() and not engine.has_unfinished_requests()
+    with pytest.raises(ValueError, match="'doomed'.*no adapter_config.json"):
+        lora_llm.generate("x", params, use_tqdm=False, lora_request=doomed)
+
+
+def test_engine_without_lora_refuses_lora_request(tiny_llm, good_adapter):
+    with pytest.raises(ValueError, match="enable_lora=True"):
+        tiny_llm.generate("x", use_tqdm=False, lora_request=LoRARequest("a", 1, str(good_adapter)))
+    assert not tiny_llm.llm_engine.has_unfinished_requests()

@@ -328,8 +328,8 @@ class Scheduler:
 
     def _running_loras(self) -> set[int]:
         loras = {r.lora_id for r in self.running if r.lora_id}
-        if len(loras) > max(self.max_loras, 0):
-            raise ValueError(f"requests with {len(loras)} LoRA adapters are running but "
+        if len(loras) > self.max_loras:  # admission keeps this from happening
+            raise RuntimeError(f"requests with {len(loras)} LoRA adapters are running but "
                              f"max_loras is {self.max_loras}")
         return loras
 
