@@ -382,9 +382,10 @@ def test_adapter_gone_from_disk_aborts_only_its_requests(lora_llm, adapters, tmp
     doomed = LoRARequest("doomed", 50, str(tmp_path / "doomed"))
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     lora_llm.generate("x", params, use_tqdm=False, lora_request=doomed)
-    # four other adapters pass through: the host cache (4) and the slots (3) let it go
-    for lr, _ in adapters[1:]:
-        lora_llm.generate("y", params, use_tqdm=False, lora_request=lr)
+    # four adapters new to the engine pass through: the host cache (4) and the slots (3) let it go
+    for i, (lr, _) in enumerate(adapters[1:]):
+        lora_llm.generate("y", params, use_tqdm=False,
+                          lora_request=LoRARequest(f"fresh{i}", 60 + i, lr.lora_path))
     assert engine.lora.key_of(doomed) not in engine.lora.cached_keys
     shutil.rmtree(tmp_path / "doomed")
     outs = lora_llm.generate(["base", "doomed", "other"], params, use_tqdm=False,
