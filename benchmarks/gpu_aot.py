@@ -169,7 +169,7 @@ def compile_steps(mesh, device_memory: int, args) -> dict:
         ins = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep),
                            abstract_step_inputs(T, S, bs, width, qt_of(T)))
         t0 = time.perf_counter()
-        exe = step.lower(state, kv, sampler, None, *ins).compile(step_compiler_options("gpu"))
+        exe = step.lower(state, kv, sampler, *ins).compile(step_compiler_options("gpu"))
         return exe, time.perf_counter() - t0
 
     # as the engine sizes the cache: a 2-block probe of the largest step measures its scratch

@@ -57,14 +57,13 @@ def device_step_seconds(runner, shape, inputs, steps: int) -> float:
     exe = runner._compiled[shape]
     args = runner._put(inputs)
     kv, sampler = runner.kv_cache, runner.sampler_state
-    lora = runner.lora.weights if runner.lora else None
-    res, kv, sampler = exe(runner.state, kv, sampler, lora, *args)  # once more, to settle
+    res, kv, sampler = exe(runner.state, kv, sampler, *args)  # once more, to settle
     jax.block_until_ready(res)
     blocks = []
     for _ in range(3):  # the median of three blocks: one noisy block does not decide it
         t = time.perf_counter()
         for _ in range(steps):
-            res, kv, sampler = exe(runner.state, kv, sampler, lora, *args)
+            res, kv, sampler = exe(runner.state, kv, sampler, *args)
         jax.block_until_ready(res)
         blocks.append((time.perf_counter() - t) / steps)
     runner.kv_cache, runner.sampler_state = kv, sampler

@@ -86,21 +86,22 @@ def throughput(llm, prompts, output_len: int, loras) -> dict:
             "steps": engine.runner.num_steps - steps0, "_tokens": [o.outputs[0].token_ids for o in outs]}
 
 
-def replay(runner, shape, inputs, steps: int, blocks: int = 3) -> dict:
+def replay(runner, shape, inputs, token_slots, steps: int, blocks: int = 3) -> dict:
     """One compiled step run `steps` times back to back, inputs on the device: seconds per
     step in wall time and in this process's CPU time (all threads; what a busy shared
     machine disturbs least), the best of `blocks`."""
     import jax
     exe = runner._compiled[shape]
     args = runner._put(inputs)
-    kv, sampler, lora = runner.kv_cache, runner.sampler_state, runner.lora.weights if runner.lora else None
-    res, kv, sampler = exe(runner.state, kv, sampler, lora, *args)
+    adapters = () if token_slots is None else ((runner.lora.weights, runner._put(token_slots)),)
+    kv, sampler = runner.kv_cache, runner.sampler_state
+    res, kv, sampler = exe(runner.state, kv, sampler, *args, *adapters)
     jax.block_until_ready(res)
     wall, cpu = [], []
     for _ in range(blocks):
         t, c = time.perf_counter(), time.process_time()
         for _ in range(steps):
-            res, kv, sampler = exe(runner.state, kv, sampler, lora, *args)
+            res, kv, sampler = exe(runner.state, kv, sampler, *args, *adapters)
         jax.block_until_ready(res)
         wall.append((time.perf_counter() - t) / steps)
         cpu.append((time.process_time() - c) / steps)
@@ -109,36 +110,41 @@ def replay(runner, shape, inputs, steps: int, blocks: int = 3) -> dict:
 
 
 def decode_step(llm, prompts, loras, replay_steps: int, spreads=()) -> dict:
-    """A decode step of the whole batch timed on the device alone (latency.py's replay); with
-    `spreads`, replayed again with its sequences spread over k adapters for each k."""
-    from benchmarks.latency import _Recorder, _run_batch
+    """A step decoding the whole batch, replayed on the device alone; with `spreads`, replayed
+    again with its sequences spread over k adapters for each k (0: none)."""
+    from jaxllm import SamplingParams
     engine = llm.llm_engine
-    rec = _Recorder(engine.runner)
-    rec.batch = len(prompts)
+    runner = engine.runner
+    recorded = []
+    run = runner._run_step
+
+    def record(shape, inputs, token_slots=None, *a, **kw):
+        md = inputs[1]
+        if int(md.query_start_loc[-1]) == len(prompts) == int((md.seq_lens > 0).sum()):
+            recorded.append((shape, inputs, token_slots))
+        return run(shape, inputs, token_slots, *a, **kw)
     # outputs long enough that every sequence still decodes once the last prompt is in
-    budget = engine.config.max_num_batched_tokens
-    output_len = -(-sum(len(p) for p in prompts) // budget) + 8
+    output_len = -(-sum(len(p) for p in prompts) // engine.config.max_num_batched_tokens) + 8
     for lr in dict.fromkeys(x for x in loras if x is not None):
         engine.add_lora(lr)
-    reqs = [(f"step-{i}-{time.monotonic_ns()}", p, output_len) for i, p in enumerate(prompts)]
-    for (rid, p, n), lr in zip(reqs, loras):
-        from jaxllm import SamplingParams
-        engine.add_request(rid, {"prompt_token_ids": p},
-                           SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
+    for i, (p, lr) in enumerate(zip(prompts, loras)):
+        engine.add_request(f"step-{i}-{time.monotonic_ns()}", {"prompt_token_ids": p},
+                           SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True),
                            lora_request=lr)
+    runner._run_step = record
     try:
-        _run_batch(engine, [])  # runs them to completion, recording full-batch decode steps
+        while engine.has_unfinished_requests():
+            engine.step()
     finally:
-        engine.runner._run_step = rec._run
-    shape, inputs = rec.middle()
-    out = {"shape": list(shape), "step": replay(engine.runner, shape, inputs, replay_steps)}
-    for k in spreads:  # the same step with its tokens spread over k adapter slots (0: none)
-        slots = np.asarray(inputs[-1]).copy()
-        md = inputs[1]
-        seq = np.asarray(md.token_seq_ids)
-        real = int(np.asarray(md.query_start_loc)[-1])
-        slots[:real] = 0 if k == 0 else (seq[:real] % k) + 1
-        out[f"{k}_adapters"] = replay(engine.runner, shape, (*inputs[:-1], slots), replay_steps)
+        runner._run_step = run
+    shape, inputs, slots = recorded[len(recorded) // 2]
+    out = {"shape": list(shape), "step": replay(runner, shape, inputs, slots, replay_steps)}
+    md = inputs[1]
+    seq, real = np.asarray(md.token_seq_ids), int(md.query_start_loc[-1])
+    for k in spreads:
+        spread = np.zeros(shape[0], np.int32)
+        spread[:real] = 0 if k == 0 else (seq[:real] % k) + 1
+        out[f"{k}_adapters"] = replay(runner, shape, inputs, spread, replay_steps)
     return out
 
 

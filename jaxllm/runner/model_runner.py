@@ -118,24 +118,24 @@ def _host(x) -> np.ndarray:
     return np.asarray(x if x.is_fully_addressable else x.addressable_data(0))
 
 
-def build_step(graphdef, vocab: int, state_sharding, kv_sharding, replicated,
-               lora_sharding=None, num_lora_slots: int = 0, tp: int = 1):
+def build_step(graphdef, vocab: int, state_sharding, kv_sharding, replicated, lora=None):
     """The one jitted engine step: the model over the flat batch, the logits of the rows that
     sample, sampling, and prompt logprobs when asked for. The cache and sampler state are
-    donated; the sampled tokens also stay in the sampler state for the next step. With LoRA,
-    the adapter slots' weights come in as arguments and each token names its slot."""
+    donated; the sampled tokens also stay in the sampler state for the next step. With LoRA
+    (`lora`: the slots' shardings, their number, the tensor-parallel size), one more argument
+    after the step's inputs: the adapter slots' weights and each token's slot."""
 
-    def step(state, kv_cache, sampler_state, lora_weights, input_ids, md, logits_indices, smd,
-             token_slots):
+    def step(state, kv_cache, sampler_state, input_ids, md, logits_indices, smd, *adapters):
         model = nnx.merge(graphdef, state)
         # -1: the token the previous step sampled for this row, which the host does not know
         # yet (async scheduling); it waits on the device
         from_device = sampler_state.last_token[smd.rows[md.token_seq_ids]]
         input_ids = jnp.where(input_ids < 0, from_device, input_ids)
-        lora = None
-        if lora_weights is not None:
-            lora = LoRAInputs.of(lora_weights, token_slots, num_lora_slots, tp)
-        hidden, kv_cache = model(kv_cache, input_ids, md, lora=lora)
+        lora_in = None
+        if adapters:
+            (weights, token_slots), = adapters
+            lora_in = LoRAInputs.of(weights, token_slots, lora[1], lora[2])
+        hidden, kv_cache = model(kv_cache, input_ids, md, lora=lora_in)
         logits = model.compute_logits(hidden[logits_indices])
         (tokens, lp, rank, top_ids, top_lp), sampler_state = sample(logits, smd, sampler_state)
         T, k = hidden.shape[0], min(MAX_LOGPROBS, vocab)
@@ -149,9 +149,9 @@ def build_step(graphdef, vocab: int, state_sharding, kv_sharding, replicated,
         return SamplerOutput(tokens, lp, rank, top_ids, top_lp, *plp), kv_cache, sampler_state
 
     rep = replicated
+    extra = () if lora is None else ((lora[0], rep),)
     return jax.jit(step, donate_argnums=(1, 2),
-                   in_shardings=(state_sharding, kv_sharding, rep, lora_sharding, rep, rep, rep,
-                                 rep, rep),
+                   in_shardings=(state_sharding, kv_sharding, rep, rep, rep, rep, rep, *extra),
                    out_shardings=(rep, kv_sharding, rep))
 
 
@@ -163,11 +163,9 @@ def step_compiler_options(platform: str) -> dict | None:
     return {"xla_gpu_memory_limit_slop_factor": 10000} if platform == "gpu" else None
 
 
-def abstract_step_inputs(T: int, S: int, block_size: int, max_blocks_per_seq: int, qt: int,
-                         lora: bool = False):
-    """Shapes of a (T tokens, S sequences) step's inputs after the state, cache, sampler
-    state and LoRA slots: input ids, attention metadata, logits indices, sampling metadata
-    and each token's adapter slot (None without LoRA)."""
+def abstract_step_inputs(T: int, S: int, block_size: int, max_blocks_per_seq: int, qt: int):
+    """Shapes of a (T tokens, S sequences) step's inputs after the state, cache and sampler
+    state: input ids, attention metadata, logits indices, sampling metadata."""
     i32, f32, b = jnp.int32, jnp.float32, jnp.bool_
     sds = jax.ShapeDtypeStruct
     W = max_tiles(T, S, qt)
@@ -180,7 +178,7 @@ def abstract_step_inputs(T: int, S: int, block_size: int, max_blocks_per_seq: in
         sds((S,), i32), sds((S,), i32), sds((S,), b), sds((S,), f32), sds((S,), f32),
         sds((S,), f32), sds((S,), i32), sds((S,), b), sds((S, MAX_BANNED), i32), sds((T,), i32),
         *[sds((), b)] * 8)
-    return sds((T,), i32), md, sds((S,), i32), smd, sds((T,), i32) if lora else None
+    return sds((T,), i32), md, sds((S,), i32), smd
 
 
 class ModelRunner:
@@ -222,8 +220,7 @@ class ModelRunner:
         self._step = build_step(self.graphdef, self.vocab,
                                 jax.tree.map(lambda x: x.sharding, self.state),
                                 self.kv_sharding, self.replicated,
-                                lora.shardings if lora else None,
-                                lora.num_slots if lora else 0, self.arch.tp_size)
+                                lora and (lora.shardings, lora.num_slots, self.arch.tp_size))
         rep = self.replicated
         self._set_rows = jax.jit(set_rows, donate_argnums=(0,), in_shardings=rep, out_shardings=rep)
 
@@ -232,17 +229,17 @@ class ModelRunner:
 
     # compilation
     def _abstract_inputs(self, T: int, S: int):
-        return abstract_step_inputs(T, S, self.block_size, self.max_blocks_per_seq, self.q_tile(T),
-                                    self.lora is not None)
+        return abstract_step_inputs(T, S, self.block_size, self.max_blocks_per_seq, self.q_tile(T))
 
     def _abstract(self, tree):
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
     def _compile(self, T: int, S: int):
-        lora = self._abstract(self.lora.weights) if self.lora else None
+        adapters = () if self.lora is None else (
+            (self._abstract(self.lora.weights), jax.ShapeDtypeStruct((T,), jnp.int32)),)
         return self._step.lower(self._abstract(self.state), self._abstract(self.kv_cache),
-                                self._abstract(self.sampler_state), lora,
-                                *self._abstract_inputs(T, S)).compile(
+                                self._abstract(self.sampler_state),
+                                *self._abstract_inputs(T, S), *adapters).compile(
             step_compiler_options(platform_of(self.mesh)))
 
     def compile_all(self, progress: bool = True) -> float:
@@ -332,7 +329,7 @@ class ModelRunner:
         return jax.tree.map(
             lambda x: jax.make_array_from_process_local_data(self.replicated, np.asarray(x)), tree)
 
-    def _run_step(self, shape, inputs, announced: bool = False):
+    def _run_step(self, shape, inputs, token_slots=None, announced: bool = False):
         if self.channel is not None:
             if not announced:
                 self.channel.announce(mp.STEP, *shape)
@@ -342,9 +339,11 @@ class ModelRunner:
             exe = self._compiled[shape] = self._compile(*shape)
             self.num_compiles_after_warmup += 1
             logger.warning("compiled step shape %s outside warm-up", shape)
-        lora = self.lora.weights if self.lora else None
+        # with LoRA: the slots' weights and each token's slot (jaxllm.lora)
+        adapters = () if token_slots is None else ((self.lora.weights, self._put(token_slots)),)
         res, self.kv_cache, self.sampler_state = exe(self.state, self.kv_cache,
-                                                     self.sampler_state, lora, *self._put(inputs))
+                                                     self.sampler_state, *self._put(inputs),
+                                                     *adapters)
         return res
 
     def _set_sampler_rows(self, args, announced: bool = False) -> None:
@@ -409,19 +408,21 @@ class ModelRunner:
         logits_idx = np.zeros(S, np.int32)
         logits_idx[:S_real] = md.query_start_loc[1:S_real + 1] - 1
         smd = self._sampling_metadata(rows, n, starts, final, md, T, S)
-        token_slots = None
-        if self.lora is not None:
-            # each token's adapter slot (0: none); the step's adapters are brought in first
-            keys = batch.lora_id[rows]
-            slot_of, self.lora_failures = self.lora.activate(keys.tolist())
-            row_slots = np.fromiter((slot_of.get(k, 0) for k in keys.tolist()), np.int32, len(rows))
-            token_slots = np.zeros(T, np.int32)
-            token_slots[:T_real] = row_slots[md.token_seq_ids[:T_real]]
         c = batch.cols
         step = _Step(req_ids, rows, batch.serial[rows].copy(), starts, n, final,
                      c["num_logprobs"][rows].copy(), c["num_prompt_logprobs"][rows].copy(),
                      batch.num_prompt_tokens[rows].copy())
-        return step, (T, S), (input_ids, md, logits_idx, smd, token_slots)
+        return step, (T, S), (input_ids, md, logits_idx, smd)
+
+    def _token_slots(self, rows: np.ndarray, md: AttentionMetadata, T: int) -> np.ndarray:
+        """Each token's adapter slot (0: none), the step's adapters brought in first."""
+        keys = self.batch.lora_id[rows].tolist()
+        slot_of, self.lora_failures = self.lora.activate(keys)
+        row_slots = np.fromiter((slot_of.get(k, 0) for k in keys), np.int32, len(rows))
+        T_real = int(md.query_start_loc[-1])
+        token_slots = np.zeros(T, np.int32)
+        token_slots[:T_real] = row_slots[md.token_seq_ids[:T_real]]
+        return token_slots
 
     def _sampling_metadata(self, rows, n, starts, final, md, T: int, S: int) -> SamplingMetadata:
         batch, c = self.batch, self.batch.cols
@@ -483,8 +484,9 @@ class ModelRunner:
         if out.is_empty:
             return None
         step, shape, inputs = self._prepare(out, list(out.num_scheduled_tokens))
-        smd = inputs[3]
-        res = self._run_step(shape, inputs)
+        smd = inputs[-1]
+        slots = None if self.lora is None else self._token_slots(step.rows, inputs[1], shape[0])
+        res = self._run_step(shape, inputs, slots)
         self.num_steps += 1
         return InFlight(step, res, bool(smd.any_logprobs), bool(smd.any_prompt_logprobs))
 
