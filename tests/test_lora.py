@@ -172,9 +172,9 @@ def record_step_adapters(engine):
     seen = []
     dispatch = engine.runner.dispatch
 
-    def spy(out):
+    def spy(out, *args):
         seen.append({r.lora_id for r in out.scheduled_reqs.values() if r.lora_id})
-        return dispatch(out)
+        return dispatch(out, *args)
     engine.runner.dispatch = spy
     return seen, lambda: setattr(engine.runner, "dispatch", dispatch)
 
