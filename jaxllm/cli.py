@@ -48,6 +48,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--scheduling-policy", default=None, choices=["fcfs", "priority"])
     g.add_argument("--preemption-mode", default=None, choices=["recompute", "swap"])
     g.add_argument("--swap-space", type=float, default=None, help="GiB of host memory for swap")
+    g.add_argument("--enable-lora", action="store_true", default=None,
+                   help="serve LoRA adapters over the base model (jaxllm.lora)")
+    g.add_argument("--max-loras", type=int, default=None,
+                   help="distinct adapters in one step: device slots (default 1)")
+    g.add_argument("--max-lora-rank", type=int, default=None,
+                   help="largest adapter rank; a larger one is refused (default 16)")
+    g.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="adapters kept loaded in host memory (default max-loras)")
     g.add_argument("--compilation-cache-dir", default=None,
                    help="persistent XLA compilation cache (default ~/.cache/jaxllm/xla)")
 
@@ -124,7 +132,8 @@ def cmd_serve(args) -> int:
         raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser")
     return run_server(engine_config_from_args(args), args.host, args.port, args.served_model_name,
                       args.api_key, args.max_queue_len, args.shutdown_timeout, args.log_interval,
-                      args.tool_call_parser if args.enable_auto_tool_choice else None)
+                      args.tool_call_parser if args.enable_auto_tool_choice else None,
+                      args.lora_modules)
 
 
 def cmd_convert(args) -> int:
@@ -187,6 +196,9 @@ def main(argv=None) -> int:
     p.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
                    help="how the model writes tool calls: hermes (<tool_call> JSON: Qwen, "
                         "Hermes, SmolLM3 templates) or llama3_json (Llama 3.x)")
+    p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters served under these model names (with --enable-lora); "
+                        "JSON {\"name\", \"path\", \"base_model_name\"} also works")
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
 
@@ -214,6 +226,7 @@ def main(argv=None) -> int:
             ("latency", "latency", "TTFT and decode step time at batch 1 and N", True),
             ("structured", "structured", "JSON-schema requests against free ones; grammar TTFT",
              True),
+            ("lora", "lora", "multi-LoRA serving against the base model alone", True),
             ("serve", "serve", "online load against an OpenAI-compatible server", False),
             ("kernels", "kernels", "paged-attention kernels against measured peaks", False),
             ("dots", "dots", "the dtype forms of a projection's dot on this machine", False),

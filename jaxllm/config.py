@@ -46,6 +46,12 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"      # or "priority": lower `priority` values first
     preemption_mode: str = "recompute"   # or "swap": blocks go to host memory and back
     swap_space: float = 4.0              # GiB of host memory for swapped blocks
+    # LoRA adapters (jaxllm.lora): device slots for distinct adapters in one step, the
+    # largest rank they may have, and the host cache of loaded adapters (default max_loras)
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
     # compilation
     compilation_cache_dir: str | None = field(
         default_factory=lambda: os.environ.get(
@@ -90,6 +96,13 @@ class EngineConfig:
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if not self.swap_space >= 0:
             raise ValueError(f"swap_space must be non-negative (GiB), got {self.swap_space}")
+        for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
+            _positive(name, getattr(self, name))
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras "
+                             f"({self.max_loras})")
+        if self.enable_lora and self.num_processes > 1:
+            raise ValueError("enable_lora is not supported across processes yet")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
             raise ValueError("num_gpu_blocks_override must be at least 2 (one is the null block)")
 

@@ -52,7 +52,9 @@ class LLM:
         return self.llm_engine.tokenizer
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request=None) -> list[RequestOutput]:
+        """`lora_request`: a jaxllm.lora.LoRARequest for every prompt, or a list with one (or
+        None) per prompt; each adapter is read and checked before anything runs."""
         if isinstance(prompts, (str, dict)) or _is_token_list(prompts):
             prompts = [prompts]
         prompts = list(prompts)
@@ -64,9 +66,17 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        if isinstance(lora_request, (list, tuple)):
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"got {len(loras)} lora_request for {len(prompts)} prompts")
+        else:
+            loras = [lora_request] * len(prompts)
         engine = self.llm_engine
         # validated and tokenized once, before anything runs: bad input is refused up front
-        requests = [engine.process_inputs(prompt, p) for prompt, p in zip(prompts, params)]
+        requests = [engine.process_inputs(prompt, p, lr) for prompt, p, lr in zip(prompts, params, loras)]
+        for lr in dict.fromkeys(lr for lr in loras if lr is not None):
+            engine.add_lora(lr)
         for r, p in zip(requests, _final_only(params)):
             r.params = p
         ids = [str(next(self._counter)) for _ in prompts]
@@ -93,8 +103,10 @@ class LLM:
             bar.close()
         return [final[i] for i in ids]
 
-    def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
-        """Beam search over each prompt (a string, token ids or a prompt dict)."""
+    def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False,
+                    lora_request=None) -> list[BeamSearchOutput]:
+        """Beam search over each prompt (a string, token ids or a prompt dict), with one
+        adapter (jaxllm.lora.LoRARequest) for all of them if given."""
         if isinstance(prompts, (str, dict)) or _is_token_list(prompts):
             prompts = [prompts]
         engine = self.llm_engine
@@ -106,7 +118,7 @@ class LLM:
         bar = tqdm(total=params.max_tokens, desc="beam search", disable=not use_tqdm)
         while pending := search.pending():
             outs = self.generate([{"prompt_token_ids": t} for t in pending], search.step_params(),
-                                 use_tqdm=False)
+                                 use_tqdm=False, lora_request=lora_request)
             search.advance([o.outputs[0].logprobs[0] for o in outs])
             bar.update(1)
         bar.close()
@@ -114,7 +126,7 @@ class LLM:
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True,
              add_generation_prompt: bool = True, chat_template: str | None = None,
-             tools: list[dict] | None = None) -> list[RequestOutput]:
+             tools: list[dict] | None = None, lora_request=None) -> list[RequestOutput]:
         """`tools`: OpenAI-style function definitions, for chat templates that render them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.get_tokenizer()
@@ -127,4 +139,4 @@ class LLM:
             text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
                                            chat_template=chat_template, tools=tools)
             prompts.append({"prompt": text, "prompt_token_ids": list(ids)})
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)

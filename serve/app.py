@@ -9,7 +9,7 @@ import hmac
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -26,6 +26,7 @@ from jaxllm.engine.input_processor import EngineRequest
 from jaxllm.sampling_params import RequestOutputKind
 from serve.errors import APIError, bad_request, check_json, error_response
 from serve.metrics import Metrics
+from serve.protocol import REFUSED
 from serve.openapi import openapi_document
 from serve.streaming import Outputs
 from serve.tool_parsers import get_parser
@@ -42,6 +43,9 @@ class ServerConfig:
     # tool_choice "auto": how the model writes tool calls (--tool-call-parser, with
     # --enable-auto-tool-choice); None: "auto" is refused
     tool_call_parser: str | None = None
+    lora_modules: list = field(default_factory=list)  # LoRARequests served from the start
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (JAXLLM_ALLOW_RUNTIME_LORA_UPDATING)
+    allow_runtime_lora_updating: bool = False
 
 
 class OpenAIServer:
@@ -54,7 +58,13 @@ class OpenAIServer:
                             if server_config.tool_call_parser else None)
         self.metrics = Metrics(server_config.served_model_name)
         self.engine = AsyncEngine(engine_config, on_step=self.metrics.on_step,
-                                  on_fail=self._engine_failed)
+                                  on_fail=self._engine_failed,
+                                  lora_modules=server_config.lora_modules,
+                                  model_names=[server_config.served_model_name])
+        # the adapters served, by name (the engine thread owns the registry; this mirrors it)
+        self.loras = {lr.lora_name: lr for lr in server_config.lora_modules}
+        self.lora_lock = asyncio.Lock()
+        self.next_lora_id = max([0, *(lr.lora_int_id for lr in server_config.lora_modules)]) + 1
         self.created = int(time.time())
         self.on_fatal = on_fatal
         self._loop = None
@@ -93,6 +103,10 @@ class OpenAIServer:
                   methods=["POST"]),
             Route("/v1/models", self._wrap(partial(models.list_models, self), auth=True),
                   methods=["GET"]),
+            *([Route("/v1/load_lora_adapter", self._wrap(partial(models.load_lora, self), auth=True),
+                     methods=["POST"]),
+               Route("/v1/unload_lora_adapter", self._wrap(partial(models.unload_lora, self), auth=True),
+                     methods=["POST"])] if self.cfg.allow_runtime_lora_updating else []),
             Route("/tokenize", self._wrap(partial(models.tokenize, self)), methods=["POST"]),
             Route("/detokenize", self._wrap(partial(models.detokenize, self)), methods=["POST"]),
             Route("/health", self._wrap(self.health), methods=["GET"]),
@@ -172,8 +186,8 @@ class OpenAIServer:
             raise APIError(400, f"{param}: {err['msg']}", param=param) from None
         refused = body.refused_field()
         if refused is not None:
-            raise APIError(400, f"{refused} is not supported by this server yet", param=refused,
-                           code="unsupported_parameter")
+            raise APIError(400, REFUSED.get(refused, f"{refused} is not supported by this server yet"),
+                           param=refused, code="unsupported_parameter")
         problem = body.check() if hasattr(body, "check") else None
         if problem is not None:
             raise APIError(400, problem[1], param=problem[0])
@@ -187,9 +201,18 @@ class OpenAIServer:
         return body
 
     def check_model(self, name: str) -> None:
-        if name != self.cfg.served_model_name:
+        """The served model or one of its LoRA adapters."""
+        if name != self.cfg.served_model_name and name not in self.loras:
             raise APIError(404, f"The model `{name}` does not exist.", param="model",
                            code="model_not_found")
+
+    def model_name(self, body) -> str:
+        """What responses name as their model: the adapter asked for, or the base model."""
+        return body.model if body.model in self.loras else self.cfg.served_model_name
+
+    def lora_of(self, name: str | None):
+        """The LoRARequest a request's `model` selects (None: the base model)."""
+        return None if name is None else self.loras.get(name)
 
     def admit(self) -> None:
         limit = self.cfg.max_queue_len
@@ -221,7 +244,7 @@ class OpenAIServer:
             prompt = {"prompt": text, "prompt_token_ids": ids}
             if body.cache_salt:
                 prompt["cache_salt"] = body.cache_salt
-            return await self.engine.process(prompt, params)
+            return await self.engine.process(prompt, params, self.lora_of(body.model))
         except ValueError as e:
             raise bad_request(e) from None
 

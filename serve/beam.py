@@ -38,7 +38,8 @@ async def _search(server, request: Request, base: str, ids: list[int], params: B
     salt = {"cache_salt": body.cache_salt} if body.cache_salt else {}
     step = 0
     while pending := search.pending():
-        reqs = [await engine.process({"prompt_token_ids": t, **salt}, step_params) for t in pending]
+        reqs = [await engine.process({"prompt_token_ids": t, **salt}, step_params,
+                                     server.lora_of(body.model)) for t in pending]
         gens = [server.run(f"{base}-beam{step}-{j}", r, body.priority) for j, r in enumerate(reqs)]
         outs = await collect(request, gens)
         search.advance([o.outputs[0].logprobs[0] for o in outs])
@@ -64,7 +65,7 @@ async def respond(server, request: Request, base: str, prompts, body, chat: bool
         add_usage(usage, len(ids), sum(len(s.tokens) - len(ids) for s in seqs), 0)
     obj = "chat.completion" if chat else "text_completion"
     out = {"id": base, "object": obj, "created": int(time.time()),
-           "model": server.cfg.served_model_name, "choices": choices, "usage": usage}
+           "model": server.model_name(body), "choices": choices, "usage": usage}
     if not body.stream:
         return JSONResponse(out)
 

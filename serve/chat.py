@@ -89,12 +89,12 @@ async def create(server, request: Request):
                         "logprobs": _logprobs(engine, c.token_ids, c.logprobs, k) if body.logprobs else None,
                         "finish_reason": finish_reason, "stop_reason": c.stop_reason})
     return JSONResponse({"id": rid, "object": "chat.completion", "created": int(time.time()),
-                         "model": server.cfg.served_model_name, "choices": choices, "usage": usage})
+                         "model": server.model_name(body), "choices": choices, "usage": usage})
 
 
 async def _stream(server, rid, body, gen, tools: _Tools):
     engine = server.engine
-    created, model = int(time.time()), server.cfg.served_model_name
+    created, model = int(time.time()), server.model_name(body)
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     k = body.top_logprobs or 0
     completion_tokens = 0

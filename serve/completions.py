@@ -68,12 +68,12 @@ async def create(server, request: Request):
                             "text": (text if body.echo else "") + c.text, "logprobs": lp,
                             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
     return JSONResponse({"id": base, "object": "text_completion", "created": int(time.time()),
-                         "model": server.cfg.served_model_name, "choices": choices, "usage": usage})
+                         "model": server.model_name(body), "choices": choices, "usage": usage})
 
 
 async def _stream(server, base, body, items, gens):
     engine = server.engine
-    created, model = int(time.time()), server.cfg.served_model_name
+    created, model = int(time.time()), server.model_name(body)
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     usage = new_usage()
     offsets: dict[tuple[int, int], int] = {}   # (prompt, choice) -> characters sent

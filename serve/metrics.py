@@ -50,6 +50,9 @@ class Metrics:
         self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency.", _LATENCY_BUCKETS)
         self.queue_time = histogram("request_queue_time_seconds", "Time spent waiting in the queue.",
                                     _LATENCY_BUCKETS)
+        self._lora = None  # created when the engine reports adapters (enable_lora)
+        self._lora_labels = None
+        self._lora_names: set[str] = set()  # adapters that had requests (their gauges go to 0)
         self._last = {}
         self._stats: dict | None = None  # the engine's counters after its last step
         self._lock = threading.Lock()
@@ -64,6 +67,8 @@ class Metrics:
         self.running.set(s["num_requests_running"])
         self.waiting.set(s["num_requests_waiting"])
         self.kv_usage.set(s["kv_cache_usage_perc"])
+        if "lora_running" in s:
+            self._lora_metrics(s)
         with self._lock:
             self.peak_running.set(s["peak_running"])
             self.kv_total_slots.set(s["kv_total_slots"])
@@ -83,6 +88,31 @@ class Metrics:
                     self._window_prompt += delta
                 elif key == "generation_tokens":
                     self._window_gen += delta
+
+    def _lora_metrics(self, s: dict) -> None:
+        """vLLM's lora_requests_info (which adapters have running and waiting requests, as
+        labels of one series set to the time) and requests per adapter."""
+        if self._lora is None:
+            r = self.registry
+            self._lora = (
+                Gauge("jaxllm:lora_requests_info", "Running stats on LoRA requests.",
+                      ["max_lora", "waiting_lora_adapters", "running_lora_adapters"], registry=r),
+                Gauge("jaxllm:lora_num_requests_running", "Running requests per LoRA adapter.",
+                      ["model_name", "lora_name"], registry=r),
+                Gauge("jaxllm:lora_num_requests_waiting", "Waiting requests per LoRA adapter.",
+                      ["model_name", "lora_name"], registry=r))
+        info, running, waiting = self._lora
+        labels = (str(s["max_lora"]), ",".join(sorted(s["lora_waiting"])),
+                  ",".join(sorted(s["lora_running"])))
+        if labels != self._lora_labels:
+            if self._lora_labels is not None:
+                info.remove(*self._lora_labels)
+            self._lora_labels = labels
+        info.labels(*labels).set_to_current_time()
+        self._lora_names.update(s["lora_running"], s["lora_waiting"])
+        for gauge, counts in ((running, s["lora_running"]), (waiting, s["lora_waiting"])):
+            for name in self._lora_names:
+                gauge.labels(self.model_name, name).set(counts.get(name, 0))
 
     def on_finished(self, out) -> None:
         """Per-request latencies, once a request is done."""

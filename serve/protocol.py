@@ -29,7 +29,11 @@ NOT_IMPLEMENTED: dict[str, tuple] = {
     "guided_grammar": (None,),
     "guided_decoding_backend": (None,),
     "guided_whitespace_pattern": (None,),
-    "lora_request": (None,),
+}
+# fields refused for another reason than "not yet": field -> why
+REFUSED: dict[str, str] = {
+    "lora_request": "lora_request is not taken in a request body: name a LoRA adapter in `model` "
+                    "(GET /v1/models lists them)",
 }
 
 
@@ -40,7 +44,7 @@ class _Model(BaseModel):
 
     def unknown_fields(self, prefix: str = "") -> list[str]:
         """Dotted names of the fields we have never heard of, nested models included."""
-        out = [prefix + k for k in (self.model_extra or {}) if k not in NOT_IMPLEMENTED]
+        out = [prefix + k for k in (self.model_extra or {}) if k not in NOT_IMPLEMENTED and k not in REFUSED]
         for name in type(self).model_fields:
             value = getattr(self, name)
             items = value if isinstance(value, list) else [value]
@@ -58,7 +62,7 @@ class _Body(_Model):
         for name, unused in NOT_IMPLEMENTED.items():
             if name in extra and extra[name] not in unused:
                 return name
-        return None
+        return next((name for name in REFUSED if extra.get(name) is not None), None)
 
 
 class StreamOptions(_Model):
@@ -377,6 +381,16 @@ class TokenizeRequest(_Body):
     tools: list[Tool] | None = None  # rendered by the chat template, as in a chat request
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+
+
+class LoadLoRAAdapterRequest(_Body):
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(_Body):
+    lora_name: str
+    lora_int_id: int | None = None
 
 
 class DetokenizeRequest(_Body):

@@ -42,18 +42,58 @@ def served_name(model: str | None, given: str | None) -> str:
     return os.path.basename(os.path.normpath(model))
 
 
+RUNTIME_LORA_ENV = "JAXLLM_ALLOW_RUNTIME_LORA_UPDATING"
+
+
+def parse_lora_modules(specs: list[str] | None, enable_lora: bool) -> list:
+    """`--lora-modules name=path ...` (or vLLM's JSON form {"name", "path", "base_model_name"})
+    as LoRARequests with ids 1, 2, ..."""
+    import json
+
+    from jaxllm.lora import LoRARequest
+    if not specs:
+        return []
+    if not enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
+    out = []
+    for i, spec in enumerate(specs, start=1):
+        if spec.lstrip().startswith("{"):
+            try:
+                d = json.loads(spec)
+                name, path, parent = d["name"], d["path"], d.get("base_model_name")
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"--lora-modules {spec!r}: a JSON module needs \"name\" and \"path\" ({e})") from None
+        else:
+            name, sep, path = spec.partition("=")
+            parent = None
+            if not sep or not name or not path:
+                raise ValueError(f"--lora-modules {spec!r}: expected name=path")
+        if any(lr.lora_name == name for lr in out):
+            raise ValueError(f"--lora-modules: the name {name!r} is given twice")
+        out.append(LoRARequest(name, i, path, parent))
+    return out
+
+
 def run_server(engine_config: EngineConfig, host: str, port: int, served_model_name: str | None,
                api_key: str | None, max_queue_len: int | None, shutdown_timeout: float,
-               log_interval: float, tool_call_parser: str | None = None) -> int:
+               log_interval: float, tool_call_parser: str | None = None,
+               lora_modules: list[str] | None = None) -> int:
     if engine_config.process_id != 0:
         # other processes serve nothing: they run process 0's steps until it shuts down
         from jaxllm.engine.llm_engine import LLMEngine
         LLMEngine(engine_config).follow()
         return 0
     name = served_name(engine_config.model, served_model_name)
+    loras = parse_lora_modules(lora_modules, engine_config.enable_lora)
+    runtime_lora = os.environ.get(RUNTIME_LORA_ENV, "").lower() in ("1", "true", "yes")
+    if runtime_lora and not engine_config.enable_lora:
+        raise ValueError(f"{RUNTIME_LORA_ENV} needs --enable-lora")
+    if runtime_lora:
+        logger.warning("%s is set: any client with the API key may load LoRA adapters from "
+                       "this machine's disk (POST /v1/load_lora_adapter)", RUNTIME_LORA_ENV)
     server = OpenAIServer(engine_config, ServerConfig(
         name, api_key or os.environ.get("JAXLLM_API_KEY"), max_queue_len, log_interval,
-        tool_call_parser))
+        tool_call_parser=tool_call_parser, lora_modules=loras, allow_runtime_lora_updating=runtime_lora))
     config = uvicorn.Config(server.app(), host=host, port=port, log_level="info",
                             timeout_graceful_shutdown=shutdown_timeout, lifespan="on")
     logger.info("serving %s on http://%s:%d", name, host, port)

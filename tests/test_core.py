@@ -169,3 +169,32 @@ def test_step_shapes_cover_every_batch():
         # a small decode batch runs at its own size, not padded to 16 tokens
         assert shapes.pick(1, 1) == ((1, 1) if decode else (16, 2))
         assert shapes.pick(5, 5) == ((8, 8) if decode else (16, 8))
+
+
+def test_max_loras_per_step_base_requests_go_on_no_adapter_starves():
+    """Running requests use at most max_loras adapters (so every step does); a request whose
+    adapter does not fit waits in its place while base requests go on, and later requests
+    with adapters queue behind it, so the running adapters drain and it gets in."""
+    s, _ = make(max_num_seqs=8, budget=64, max_loras=2)
+
+    def lreq(rid, lora, n=4):
+        return Request(rid, list(range(10, 10 + n)), SamplingParams(max_tokens=n), eos_token_id=2,
+                       seed=0, lora_id=lora)
+    for rid, lora in (("a1", 1), ("b1", 2), ("c1", 3), ("base", None), ("a2", 1)):
+        s.add_request(lreq(rid, lora, n=6 if rid == "a1" else 3))
+    out, _ = run_step(s)
+    assert set(out.num_scheduled_tokens) == {"a1", "b1", "base"}  # c1 waits, a2 behind it
+    assert [r.request_id for r in s.waiting] == ["c1", "a2"]
+    seen_c = False
+    for _ in range(20):
+        out, _ = run_step(s)
+        running = {r.lora_id for r in s.running if r.lora_id}
+        assert len(running) <= 2
+        seen_c |= "c1" in out.num_scheduled_tokens
+        if "a1" in out.num_scheduled_tokens and not seen_c:
+            s.add_request(lreq(f"a{len(s.requests) + 10}", 1))  # a stream of adapter-1 requests
+        if not s.has_unfinished_requests():
+            break
+    assert seen_c and not s.has_unfinished_requests()
+    with pytest.raises(ValueError, match="max_loras"):
+        make()[0].add_request(lreq("x", 5))

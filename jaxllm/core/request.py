@@ -46,6 +46,7 @@ class Request:
         self.seed = seed
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.priority = priority
+        self.lora_id = lora_id  # the adapter's key (jaxllm.lora.registry); None: the base model
         # keys mixed into the first block's hash: requests differing here never share blocks
         self.cache_extra = (cache_salt, lora_id) if (cache_salt or lora_id) else None
         self.block_hashes: list = []  # prefix-cache keys of this request's full blocks

@@ -38,6 +38,7 @@ class NewRequestData:
     seed: int
     eos_token_id: int | None = None
     bad_word_ids: list[list[int]] | None = None
+    lora_id: int | None = None  # the adapter's key (jaxllm.lora.registry); None: the base model
 
 
 @dataclass
@@ -84,7 +85,7 @@ class RequestUpdate:
 class Scheduler:
     def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, policy: str = "fcfs",
-                 preemption_mode: str = "recompute"):
+                 preemption_mode: str = "recompute", max_loras: int = 0):
         capacity = kv_cache_manager.pool.num_usable_blocks * kv_cache_manager.block_size
         if capacity < max_model_len:
             # otherwise a lone request could outgrow the pool and wait for blocks forever
@@ -100,6 +101,8 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.policy = policy
         self.preemption_mode = preemption_mode
+        # distinct LoRA adapters among running requests (so in any step); 0: LoRA is off
+        self.max_loras = max_loras
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -123,6 +126,8 @@ class Scheduler:
         for req in (request, *siblings):
             if req.request_id in self.requests:
                 raise ValueError(f"request_id {req.request_id!r} is already in use")
+            if req.lora_id and not self.max_loras:
+                raise ValueError("a request with a LoRA adapter needs max_loras >= 1")
         self.requests[request.request_id] = request
         for sib in siblings:
             self.requests[sib.request_id] = sib
@@ -240,11 +245,20 @@ class Scheduler:
             i += 1
 
         # then waiting requests, in order, unless this step already had to preempt
+        loras = self._running_loras()
+        skipped: list[Request] = []  # waiting for an adapter slot: they keep their place
         while (self.waiting and not preempted and budget > 0
                and len(self.running) < self.max_num_seqs):
             req = self.waiting[0]
             if req.num_output_placeholders:
                 break  # its last token is still in flight: the host must know it first
+            if req.lora_id and (skipped or (req.lora_id not in loras
+                                            and len(loras) >= self.max_loras)):
+                # Running requests use max_loras adapters already. Base requests go on; later
+                # requests with an adapter wait behind this one (even those whose adapter runs)
+                # so that the running adapters drain and this one gets in: no adapter starves.
+                skipped.append(self.waiting.popleft())
+                continue
             if req.status == RequestStatus.SWAPPED:
                 num_new = min(req.num_tokens - req.num_computed_tokens, budget)
                 if num_new < 1:  # its next token must exist on the host: it would sample nothing
@@ -273,9 +287,12 @@ class Scheduler:
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            if req.lora_id:
+                loras.add(req.lora_id)
             num_scheduled[req.request_id] = num_new
             new_blocks[req.request_id] = blocks
             budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
 
         finished = self._finished_ids | {r.request_id for r in preempted}
         # before the lists: a finished id may come back at once as a new request
@@ -294,7 +311,8 @@ class Scheduler:
                 new_reqs.append(NewRequestData(
                     rid, list(req.all_token_ids), req.num_prompt_tokens,
                     list(self.kv.get_blocks(rid)), start,
-                    req.sampling_params, req.seed, req.eos_token_id, req.bad_word_ids))
+                    req.sampling_params, req.seed, req.eos_token_id, req.bad_word_ids,
+                    req.lora_id))
             # the counts advance here, once: the runner mirrors what this output says
             self.num_prompt_tokens += max(0, min(start + n, req.num_prompt_tokens) - start)
             req.num_computed_tokens = start + n
@@ -307,6 +325,13 @@ class Scheduler:
         return SchedulerOutput(new_reqs, cached_reqs, num_scheduled,
                                sum(num_scheduled.values()), finished, swap_out, swap_in, copies,
                                sampling, {rid: self.requests[rid] for rid in num_scheduled})
+
+    def _running_loras(self) -> set[int]:
+        loras = {r.lora_id for r in self.running if r.lora_id}
+        if len(loras) > self.max_loras:  # admission keeps this from happening
+            raise RuntimeError(f"requests with {len(loras)} LoRA adapters are running but "
+                             f"max_loras is {self.max_loras}")
+        return loras
 
     def _release_waiting_blocks(self, keep: Request | None = None) -> bool:
         """Forked siblings wait holding their blocks; under memory pressure they give them

@@ -60,8 +60,13 @@ class _Stream:
 class AsyncEngine:
     def __init__(self, config: EngineConfig,
                  on_step: Callable[[LLMEngine, list, float], None] | None = None,
-                 on_fail: Callable[[BaseException], None] | None = None):
+                 on_fail: Callable[[BaseException], None] | None = None,
+                 lora_modules=(), model_names=()):
+        """lora_modules: LoRARequests registered at start-up (one refused: the engine fails to
+        start); model_names: what else the base model is called (adapters' base model check)."""
         self.config = config
+        self._lora_modules = list(lora_modules)
+        self._model_names = list(model_names)
         self._on_fail = on_fail
         self._engine: LLMEngine | None = None
         self.ready = threading.Event()
@@ -90,7 +95,7 @@ class AsyncEngine:
 
     def _run(self) -> None:
         try:
-            self._engine = LLMEngine(self.config)
+            self._engine = LLMEngine(self.config, self._lora_modules, self._model_names)
         except BaseException as e:  # reported by /health and on_fail
             if not isinstance(e, ValueError):  # not a refused input: the details help
                 logger.warning("engine start-up raised", exc_info=True)
@@ -148,6 +153,10 @@ class AsyncEngine:
             if op == "add":
                 request_id, prompt, priority = arg
                 try:
+                    lora = getattr(prompt, "lora_request", None)
+                    if lora is not None and (engine.lora is None or engine.lora.key_of(lora) is None):
+                        # unloaded while the request was on its way: not loaded again
+                        raise ValueError(f"model: the LoRA adapter {lora.lora_name!r} is not loaded")
                     engine.add_request(request_id, prompt, priority=priority)
                 except Exception as e:  # validation: the request fails, nothing else does
                     stream = self._streams.pop(request_id, None)
@@ -156,6 +165,12 @@ class AsyncEngine:
             elif op == "abort":
                 engine.abort_request(arg)
                 self._streams.pop(arg, None)
+            elif op == "call":
+                fn, result = arg
+                try:
+                    result.put(fn(engine))
+                except Exception as e:  # the caller's to report
+                    result.put(e)
 
     # what the server may read: fixed once the engine is up
     @property
@@ -193,15 +208,43 @@ class AsyncEngine:
         """(text, token ids, cache_salt) of a prompt (see InputProcessor.tokenize)."""
         return await self._in_pool(self.engine.inputs.tokenize, prompt)
 
-    async def process(self, prompt, params: SamplingParams) -> EngineRequest:
+    async def process(self, prompt, params: SamplingParams, lora_request=None) -> EngineRequest:
         """Validate a prompt with its parameters (tokenizing what needs it) for submit(). A
         structured-output constraint is compiled here (on the engine's grammar thread, or
         found in its cache), so a grammar that fails is the caller's error and the request
         reaches the engine ready to run."""
-        req = await self._in_pool(self.engine.process_inputs, prompt, params)
+        req = await self._in_pool(self.engine.process_inputs, prompt, params,
+                                     lora_request)
         if req.grammar is not None:
             await asyncio.wrap_future(self.engine.structured.compile(req.grammar))
         return req
+
+    # LoRA adapters at run time
+    async def on_engine(self, fn):
+        """fn(engine) on the engine thread, between steps; its result (or its exception)."""
+        self.engine  # noqa: B018 (raises if the engine is not running)
+        result: queue.SimpleQueue = queue.SimpleQueue()
+        self._inbox.put(("call", (fn, result)))
+
+        def wait():
+            while True:
+                try:
+                    return result.get(timeout=0.5)
+                except queue.Empty:
+                    if self.error is not None:
+                        return EngineDeadError(str(self.error))
+        out = await self._in_pool(wait)
+        if isinstance(out, Exception):
+            raise out
+        return out
+
+    async def add_lora(self, lora_request) -> None:
+        """Read and check the adapter in the pool (steps go on), then register it."""
+        adapter = await self._in_pool(self.engine.read_lora, lora_request)
+        await self.on_engine(lambda e: e.add_lora(lora_request, adapter))
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        return await self.on_engine(lambda e: e.remove_lora(lora_int_id))
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return await self._in_pool(lambda: self.tokenizer.encode(

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from jaxllm.lora.request import LoRARequest
 from jaxllm.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
 
 
@@ -19,6 +20,7 @@ class EngineRequest:
     cache_salt: str | None = None
     bad_word_ids: list[list[int]] | None = None  # SamplingParams.bad_words, tokenized
     grammar: object | None = None  # SamplingParams.structured_outputs, validated (a GrammarSpec)
+    lora_request: "LoRARequest | None" = None
 
 
 class InputProcessor:
@@ -57,9 +59,12 @@ class InputProcessor:
             return None, [int(t) for t in prompt], salt
         raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
 
-    def process(self, prompt, params: SamplingParams | None = None) -> EngineRequest:
+    def process(self, prompt, params: SamplingParams | None = None,
+                lora_request: "LoRARequest | None" = None) -> EngineRequest:
         if isinstance(prompt, EngineRequest):
             return prompt
+        if lora_request is not None and not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -71,7 +76,7 @@ class InputProcessor:
             if self.structured is None:
                 raise ValueError("structured_outputs is not available here")
             grammar = self.structured.prepare(params.structured_outputs)
-        return EngineRequest(text, ids, params, salt, bad, grammar)
+        return EngineRequest(text, ids, params, salt, bad, grammar, lora_request)
 
     def check(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:

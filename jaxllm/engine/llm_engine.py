@@ -82,7 +82,9 @@ def process_seconds() -> float:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, lora_modules=(), model_names=()):
+        """lora_modules: LoRARequests registered before anything compiles (a refused one stops
+        the start); model_names: what else the base model is called, for their base check."""
         start = time.perf_counter()
         self.config = config
         claim_device_memory(config.gpu_memory_utilization)
@@ -113,7 +115,15 @@ class LLMEngine:
         bs = config.block_size
         per_block = kv_bytes_per_block(self.arch, bs, self.dtype, config.kv_cache_dtype)
         self.is_follower = jax.process_index() != 0
-        num_blocks = 0 if self.is_follower else self._num_blocks(platform, per_block, loaded)
+        # LoRA: the adapters known (a host registry and cache) and the device slots
+        self.lora, lora_slots = (self._setup_lora(loaded) if config.enable_lora else (None, None))
+        if lora_modules and self.lora is None:
+            raise ValueError("LoRA modules need enable_lora=True")
+        if self.lora is not None:
+            self.lora.base_names += list(model_names)
+            for lora in lora_modules:
+                self.lora.add(lora)
+        num_blocks = 0 if self.is_follower else self._num_blocks(platform, per_block, loaded, lora_slots)
         if jax.process_count() > 1:  # every process sizes its cache as process 0 did
             num_blocks = mp.Channel().announce(mp.INIT, num_blocks)[1]
         num_host_blocks = 0
@@ -124,10 +134,12 @@ class LLMEngine:
                                          num_host_blocks)
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.max_model_len,
-                                   config.scheduling_policy, config.preemption_mode)
+                                   config.scheduling_policy, config.preemption_mode,
+                                   config.max_loras if config.enable_lora else 0)
         self.runner = ModelRunner(loaded, self.dtype, num_blocks, bs, config.max_model_len,
                                   config.max_num_seqs, config.max_num_batched_tokens,
-                                  num_host_blocks, config.attention_backend, config.kv_cache_dtype)
+                                  num_host_blocks, config.attention_backend, config.kv_cache_dtype,
+                                  lora_slots)
         self.compile_seconds = 0.0
         if config.warmup:
             self.compile_seconds = self.runner.compile_all()
@@ -158,7 +170,23 @@ class LLMEngine:
                     process_seconds(), loaded.path, self.policy.describe(), platform,
                     "async" if config.async_scheduling else "synchronous")
 
-    def _num_blocks(self, platform: str, per_block: int, loaded) -> int:
+    def _setup_lora(self, loaded):
+        from jaxllm.lora.peft import LoRALayout, base_model_names
+        from jaxllm.lora.registry import LoRARegistry
+        from jaxllm.lora.slots import LoRASlots
+        from jaxllm.models import get_model_class
+        cfg = self.config
+        layout = LoRALayout(get_model_class(loaded.arch.architecture),
+                            loaded.checkpoint_arch or loaded.arch, self.mesh.size, cfg.max_lora_rank)
+        registry = LoRARegistry(layout, cfg.max_cpu_loras or cfg.max_loras,
+                                base_model_names(loaded.path, cfg.model))
+        slots = LoRASlots(layout, cfg.max_loras, self.policy.weight, self.mesh, registry.adapter)
+        logger.info("LoRA: %d device slots of rank %d over %s (%.1f MiB), %d adapters cached on "
+                    "the host", cfg.max_loras, cfg.max_lora_rank, ", ".join(layout.module_names),
+                    slots.nbytes / 2**20, registry.max_cpu_loras)
+        return registry, slots
+
+    def _num_blocks(self, platform: str, per_block: int, loaded, lora_slots=None) -> int:
         cfg = self.config
         if cfg.num_gpu_blocks_override is not None:
             num = cfg.num_gpu_blocks_override
@@ -167,7 +195,7 @@ class LLMEngine:
         elif platform == "cpu":
             num = DEFAULT_CPU_KV_BYTES // per_block
         else:
-            num = self._profile_blocks(per_block, loaded)
+            num = self._profile_blocks(per_block, loaded, lora_slots)
         if num < 2:
             raise ValueError(f"the KV-cache budget fits {num} blocks of {per_block} bytes; "
                              "at least 2 are needed (raise the memory budget)")
@@ -188,7 +216,7 @@ class LLMEngine:
                         cfg.kv_cache_dtype, plain / per_block, jnp.dtype(self.dtype).name)
         return num
 
-    def _profile_blocks(self, per_block: int, loaded) -> int:
+    def _profile_blocks(self, per_block: int, loaded, lora_slots=None) -> int:
         """gpu_memory_utilization of device memory, less weights and a maximal step's scratch."""
         cfg = self.config
         dev = jax.devices()[0]
@@ -201,7 +229,7 @@ class LLMEngine:
         probe = ModelRunner(loaded, self.dtype, 2, cfg.block_size, cfg.max_model_len,
                             cfg.max_num_seqs, cfg.max_num_batched_tokens,
                             attention_backend=cfg.attention_backend,
-                            kv_cache_dtype=cfg.kv_cache_dtype)
+                            kv_cache_dtype=cfg.kv_cache_dtype, lora=lora_slots)
         scratch = probe.activation_bytes()
         del probe
         in_use = dev.memory_stats().get("bytes_in_use", 0)
@@ -222,23 +250,64 @@ class LLMEngine:
         self.runner.stop_followers()
 
     # requests
-    def process_inputs(self, prompt, params: SamplingParams | None = None) -> EngineRequest:
+    def process_inputs(self, prompt, params: SamplingParams | None = None,
+                       lora_request=None) -> EngineRequest:
         """Validate and tokenize once; add_request takes the result as its prompt. Safe to
         call from another thread (the server does, off its event loop)."""
-        return self.inputs.process(prompt, params)
+        return self.inputs.process(prompt, params, lora_request)
+
+    # LoRA adapters
+    def add_lora(self, lora_request, adapter=None) -> bool:
+        """Register an adapter: read and checked now (ValueError naming it if refused), or
+        given as read by read_lora()."""
+        if self.lora is None:
+            raise ValueError("LoRA adapters need an engine started with enable_lora=True")
+        self.lora.add(lora_request, adapter)
+        return True
+
+    def read_lora(self, lora_request):
+        """Read and check an adapter for add_lora() (safe to call from another thread)."""
+        if self.lora is None:
+            raise ValueError("LoRA adapters need an engine started with enable_lora=True")
+        return self.lora.read(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unregister an adapter; requests already running with it finish with it."""
+        if self.lora is None:
+            return False
+        key = self.lora.remove(lora_int_id)
+        if key is None:
+            return False
+        if not any(r.lora_id == key for r in self.scheduler.requests.values()):
+            self.runner.lora.evict(key)
+        return True
+
+    def list_loras(self) -> set[int]:
+        return set() if self.lora is None else {r.lora_int_id for r in self.lora.list()}
+
+    def _lora_key(self, lora_request) -> int | None:
+        if lora_request is None:
+            return None
+        if self.lora is None:
+            raise ValueError("lora_request needs an engine started with enable_lora=True")
+        return self.lora.add(lora_request)
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
-                    arrival_time: float | None = None, priority: int = 0) -> None:
+                    arrival_time: float | None = None, priority: int = 0,
+                    lora_request=None) -> None:
         """Queue a request. `prompt` is a string, a list of token ids, a dict with "prompt"
-        or "prompt_token_ids" (and optionally "cache_salt"), or an EngineRequest."""
+        or "prompt_token_ids" (and optionally "cache_salt"), or an EngineRequest.
+        `lora_request` (jaxllm.lora.LoRARequest) runs it with that adapter, registering the
+        adapter first if it is new."""
         if not isinstance(request_id, str):
             raise ValueError(f"request_id must be a string, got {type(request_id).__name__}")
         if request_id in self.outputs.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if not isinstance(priority, int) or (priority != 0 and self.config.scheduling_policy != "priority"):
             raise ValueError(f"priority={priority!r} needs scheduling_policy='priority'")
-        req_in = self.process_inputs(prompt, params)
+        req_in = self.process_inputs(prompt, params, lora_request)
         params = req_in.params
+        lora_id = self._lora_key(lora_request or req_in.lora_request)
         arrival = time.time() if arrival_time is None else arrival_time
         num = params.num_sequences
         child_ids = [request_id] if num == 1 else [f"{i}_{request_id}" for i in range(num)]
@@ -253,7 +322,7 @@ class LLMEngine:
                 seed = int(self._rng.integers(0, 2**32))
             req = Request(child_id, req_in.prompt_token_ids, params, self.eos_token_id, seed,
                           arrival, priority=priority, cache_salt=req_in.cache_salt,
-                          parent_id=request_id)
+                          lora_id=lora_id, parent_id=request_id)
             req.bad_word_ids = req_in.bad_word_ids
             reqs.append(req)
         compiled = None
@@ -378,6 +447,8 @@ class LLMEngine:
         # while the device runs this step's forward pass
         masked = any(out.scheduled_reqs[rid].grammar is not None for rid in out.sampling_req_ids)
         flight = self.runner.dispatch(out, masked)
+        if self.runner.lora_failures:
+            outputs += self._abort_failed_loras(self.runner.lora_failures)
         previous, self._in_flight = self._in_flight, (out, flight)
         if previous is not None:
             outputs += self._finish_step(*previous)
@@ -409,6 +480,22 @@ class LLMEngine:
             if o.finished:
                 self._needs_sync.discard(o.request_id)
         return outputs
+
+    def _abort_failed_loras(self, failures: dict[int, str]) -> list[RequestOutput]:
+        """Adapters that could not be read again (the host cache had let them go and their
+        files changed): their requests end now, aborted (their tokens of the step just
+        dispatched, computed without the adapter, are never read); everything else goes on."""
+        for key, why in failures.items():
+            req = self.lora.requests[key]
+            logger.error("LoRA adapter %r could not be read again, its requests are aborted "
+                         "and it is unregistered: %s", req.lora_name, why)
+            self.lora.remove_key(key)
+        reqs = [r for r in self.scheduler.requests.values() if r.lora_id in failures]
+        self.scheduler.finish_requests([r.request_id for r in reqs], RequestStatus.FINISHED_ABORTED)
+        parents = dict.fromkeys(r.parent_id for r in reqs)
+        for pid in parents:
+            self._needs_sync.discard(pid)
+        return self.outputs.make_outputs(parents)
 
     def _finish_stopped(self, req: Request) -> None:
         """A stop string ended the sequence (the detokenizer found it)."""
@@ -466,5 +553,19 @@ class LLMEngine:
             "kv_waste_slot_steps": self.kv_waste_slot_steps,
             "peak_running": self.peak_running,
             "kv_total_slots": self.kv_manager.pool.num_usable_blocks * self.config.block_size,
+            **self._lora_stats(),
         }
+
+    def _lora_stats(self) -> dict:
+        """Requests running and waiting per adapter name (vLLM's lora_requests_info)."""
+        if self.lora is None:
+            return {}
+        running: dict[str, int] = {}
+        waiting: dict[str, int] = {}
+        for r in self.scheduler.requests.values():
+            if r.lora_id:
+                side = running if r.status == RequestStatus.RUNNING else waiting
+                name = self.lora.name_of(r.lora_id)
+                side[name] = side.get(name, 0) + 1
+        return {"lora_running": running, "lora_waiting": waiting, "max_lora": self.config.max_loras}
 

@@ -58,10 +58,12 @@ def resolve_policy(dtype: str, platform: str) -> DTypePolicy:
     return uniform_policy(dtype)
 
 
-def linear(x: jax.Array, w, policy: DTypePolicy, bias: jax.Array | None = None) -> jax.Array:
+def linear(x: jax.Array, w, policy: DTypePolicy, bias: jax.Array | None = None,
+           lora=None) -> jax.Array:
     """x[..., in] @ w (+ bias) in the policy's dtypes; returns `policy.activation`. w is a
     float [in, out] array or a quantized weight (jaxllm.quantization.qweight.QWeight,
-    out-major, read by its own matmul)."""
+    out-major, read by its own matmul). `lora(x, y)` (jaxllm.lora.ops) adds the adapters'
+    delta to the output."""
     from jaxllm.quantization.qweight import QWeight, matmul
     if isinstance(w, QWeight):
         y = matmul(x, w, policy)
@@ -72,4 +74,5 @@ def linear(x: jax.Array, w, policy: DTypePolicy, bias: jax.Array | None = None) 
                                 (((x.ndim - 1,), (0,)), ((), ())),
                                 preferred_element_type=policy.accum)
     y = y.astype(policy.activation)
-    return y if bias is None else y + bias.astype(policy.activation)
+    y = y if bias is None else y + bias.astype(policy.activation)
+    return y if lora is None else lora(x, y)

@@ -60,6 +60,7 @@ class LoadedModel:
     eos_token_id: int | None
     mesh: Any = None
     quant: Any = None  # jaxllm.quantization.QuantSpec of the quantized matrices, or None
+    checkpoint_arch: ArchConfig | None = None  # before tensor-parallel padding (arch: after)
 
 
 def _gguf_file(path: str) -> str | None:
@@ -412,7 +413,7 @@ def load_model(model: str | None, policy, load_format: str = "auto", seed: int =
     logger.info("loaded %s (%d layers) from %s; dtype policy %s; weights %.1f MiB%s", arch.architecture,
                 arch.num_layers, path, policy.describe(), qmethods.weight_bytes(state) / 2**20,
                 "" if quant is None else f" ({describe_quant(quant)})")
-    return LoadedModel(path, arch, graphdef, state, tok, eos, mesh, quant)
+    return LoadedModel(path, arch, graphdef, state, tok, eos, mesh, quant, ckpt_arch)
 
 
 def describe_quant(quant: qmethods.QuantSpec) -> str:

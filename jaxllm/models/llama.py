@@ -156,7 +156,8 @@ class LlamaForCausalLM(nnx.Module):
     @classmethod
     def tp_transform(cls, weights: dict[str, np.ndarray], cfg: ArchConfig, plan) -> dict[str, np.ndarray]:
         """Checkpoint-shaped host weights -> the runtime layout for `plan` (jaxllm.parallel):
-        KV heads repeated, MLP and vocabulary padded, fused columns device-major."""
+        KV heads repeated, MLP and vocabulary padded, fused columns device-major. Any subset
+        of the parameters may be given (LoRA passes adapter factors shaped like one side)."""
         if plan.size == 1:
             return weights
         out = dict(weights)
@@ -237,9 +238,10 @@ class LlamaForCausalLM(nnx.Module):
         rot = cfg.rotary_dim or cfg.head_dim
         return jnp.asarray(rope_inv_freq(rot, cfg.rope_theta, cfg.rope_scaling)), rope_mscale(cfg.rope_scaling)
 
-    def __call__(self, kv_cache: jax.Array, input_ids: jax.Array,
-                 md: AttentionMetadata) -> tuple[jax.Array, jax.Array]:
-        """Returns (final-normed hidden states [T, E], new kv_cache)."""
+    def __call__(self, kv_cache: jax.Array, input_ids: jax.Array, md: AttentionMetadata,
+                 lora=None) -> tuple[jax.Array, jax.Array]:
+        """Returns (final-normed hidden states [T, E], new kv_cache). `lora`: the step's
+        adapters (jaxllm.lora.ops.LoRAInputs), their weights scanned with the layers'."""
         cfg, pol = self.cfg, self.policy
         T = input_ids.shape[0]
         H, K, D, F, tp = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.tp_size
@@ -253,8 +255,12 @@ class LlamaForCausalLM(nnx.Module):
 
         def layer(carry, w):
             x, kv, i = carry
+
+            def adapters(site):
+                return None if lora is None else lora.hook(site, w["lora"], pol)
+
             h = rms_norm(x, w["input_norm"], eps)
-            qkv = linear(h, w["wqkv"], pol, w.get("bqkv"))
+            qkv = linear(h, w["wqkv"], pol, w.get("bqkv"), adapters("wqkv"))
             q, k, v = split_device_major(qkv, [H * D, K * D, K * D], tp)
             q, k, v = q.reshape(T, H, D), k.reshape(T, K, D), v.reshape(T, K, D)
             if cfg.qk_norm:
@@ -263,16 +269,20 @@ class LlamaForCausalLM(nnx.Module):
             k = apply_rope(k, md.positions, inv_freq, mscale)
             o, kv = attention_block(q, k, v, kv, i, md, scale, cfg.sliding_window,
                                     self.attention_backend, self.mesh)
-            x = x + linear(o.reshape(T, H * D), w["wo"], pol, w.get("bo"))
+            x = x + linear(o.reshape(T, H * D), w["wo"], pol, w.get("bo"), adapters("wo"))
             h = rms_norm(x, w["post_norm"], eps)
-            gate, up = split_device_major(linear(h, w["w_gate_up"], pol, w.get("b_gate_up")), [F, F], tp)
-            x = x + linear(jax.nn.silu(gate) * up, w["w_down"], pol, w.get("b_down"))
+            gate, up = split_device_major(linear(h, w["w_gate_up"], pol, w.get("b_gate_up"),
+                                                 adapters("w_gate_up")), [F, F], tp)
+            x = x + linear(jax.nn.silu(gate) * up, w["w_down"], pol, w.get("b_down"),
+                           adapters("w_down"))
             return (x, kv, i + 1), None
 
         weights = self.layers.weights()
         # quantized stacks are read in place at the layer's index (quantization.qweight)
         stacked = {k: w for k, w in weights.items() if not isinstance(w, QWeight)}
         quantized = {k: w for k, w in weights.items() if isinstance(w, QWeight)}
+        if lora is not None:  # the adapters' stacked weights are scanned with the layers'
+            stacked["lora"] = lora.weights
 
         def layer_of(carry, w):
             return layer(carry, {**w, **{k: q.at(carry[2]) for k, q in quantized.items()}})
@@ -282,7 +292,7 @@ class LlamaForCausalLM(nnx.Module):
         else:
             for i in range(cfg.num_layers):
                 (x, kv_cache, _), _ = layer((x, kv_cache, jnp.int32(i)),
-                                            {**{k: w[i] for k, w in stacked.items()},
+                                            {**jax.tree.map(lambda a: a[i], stacked),
                                              **{k: q.at(i) for k, q in quantized.items()}})
         return rms_norm(x, self.norm[...], eps), kv_cache
 

@@ -39,6 +39,7 @@ class InputBatch:
         self.num_blocks = np.zeros(max_num_seqs, np.int32)
         self.cols = {name: np.full(max_num_seqs, fill, dtype) for name, (dtype, fill) in COLUMNS.items()}
         self.bad_words: list[list[list[int]] | None] = [None] * max_num_seqs  # multi-token only
+        self.lora_id = np.zeros(max_num_seqs, np.int64)  # the row's adapter key; 0: none
         self.row_of: dict[str, int] = {}
         # which request holds a row: a step's results for an earlier holder (finished while the
         # step ran, its id perhaps reused since) must not land in it
@@ -52,7 +53,7 @@ class InputBatch:
 
     def add(self, req_id: str, token_ids: list[int], num_prompt_tokens: int,
             block_ids: list[int], params, seed: int,
-            bad_word_ids: list[list[int]] | None = None) -> int:
+            bad_word_ids: list[list[int]] | None = None, lora_id: int | None = None) -> int:
         if req_id in self.row_of:
             raise RuntimeError(f"request {req_id!r} already has a row")
         row = self._free_rows.pop()
@@ -76,6 +77,7 @@ class InputBatch:
         c["num_prompt_logprobs"][row] = -1 if params.prompt_logprobs is None else params.prompt_logprobs
         multi = [w for w in (bad_word_ids or []) if len(w) > 1]
         self.bad_words[row] = multi or None
+        self.lora_id[row] = lora_id or 0
         self.row_of[req_id] = row
         self._next_serial += 1
         self.serial[row] = self._next_serial
@@ -86,6 +88,7 @@ class InputBatch:
         if row is None:
             return None
         self.bad_words[row] = None
+        self.lora_id[row] = 0
         for name, (_, fill) in COLUMNS.items():
             self.cols[name][row] = fill
         self._free_rows.append(row)

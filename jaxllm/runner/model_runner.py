@@ -27,6 +27,7 @@ from jaxllm.core.block_pool import NULL_BLOCK
 from jaxllm.core.kv_cache_manager import cdiv
 from jaxllm.core.scheduler import SchedulerOutput
 from jaxllm.layers.attention import AttentionMetadata, kv_chunk, max_tiles, q_tile_size
+from jaxllm.lora.ops import LoRAInputs
 from jaxllm.models import get_model_class
 from jaxllm.parallel import make_mesh, platform_of, sharding
 from jaxllm.parallel import multiprocess as mp
@@ -130,17 +131,23 @@ def _host(x) -> np.ndarray:
     return np.asarray(x if x.is_fully_addressable else x.addressable_data(0))
 
 
-def build_forward(graphdef, vocab: int, state_sharding, kv_sharding, replicated):
+def build_forward(graphdef, vocab: int, state_sharding, kv_sharding, replicated, lora=None):
     """The step's forward pass: the model over the flat batch, the logits of the rows that
     sample, and prompt logprobs when asked for. The cache is donated. A token the previous
     step sampled and the host does not know yet (async scheduling: -1) is taken from the
-    sampler state on the device."""
+    sampler state on the device. With LoRA (`lora`: the slots' shardings, their number, the
+    tensor-parallel size), one more argument after the step's inputs: the adapter slots'
+    weights and each token's slot."""
 
-    def forward(state, kv_cache, sampler_state, input_ids, md, logits_indices, smd):
+    def forward(state, kv_cache, sampler_state, input_ids, md, logits_indices, smd, *adapters):
         model = nnx.merge(graphdef, state)
         from_device = sampler_state.last_token[smd.rows[md.token_seq_ids]]
         input_ids = jnp.where(input_ids < 0, from_device, input_ids)
-        hidden, kv_cache = model(kv_cache, input_ids, md)
+        lora_in = None
+        if adapters:
+            (weights, token_slots), = adapters
+            lora_in = LoRAInputs.of(weights, token_slots, lora[1], lora[2])
+        hidden, kv_cache = model(kv_cache, input_ids, md, lora=lora_in)
         logits = model.compute_logits(hidden[logits_indices])
         T, k = hidden.shape[0], min(MAX_LOGPROBS, vocab)
         zeros = (jnp.zeros(T, jnp.float32), jnp.zeros(T, jnp.int32),
@@ -153,8 +160,9 @@ def build_forward(graphdef, vocab: int, state_sharding, kv_sharding, replicated)
         return logits.astype(jnp.float32), plp, kv_cache
 
     rep = replicated
+    extra = () if lora is None else ((lora[0], rep),)
     return jax.jit(forward, donate_argnums=(1,),
-                   in_shardings=(state_sharding, kv_sharding, rep, rep, rep, rep, rep),
+                   in_shardings=(state_sharding, kv_sharding, rep, rep, rep, rep, rep, *extra),
                    out_shardings=(rep, rep, kv_sharding))
 
 
@@ -225,8 +233,10 @@ def bitmask_words(vocab: int) -> int:
 class ModelRunner:
     def __init__(self, loaded, dtype, num_blocks: int, block_size: int, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, num_host_blocks: int = 0,
-                 attention_backend: str = "xla", kv_cache_dtype: str = "auto"):
+                 attention_backend: str = "xla", kv_cache_dtype: str = "auto", lora=None):
         self.arch = loaded.arch
+        self.lora = lora  # jaxllm.lora.slots.LoRASlots, or None
+        self.lora_failures: dict[int, str] = {}  # adapters the last dispatch could not bring in
         self.attention_backend = attention_backend
         self.graphdef = loaded.graphdef
         self.state = loaded.state
@@ -266,7 +276,8 @@ class ModelRunner:
         self.channel = mp.Channel() if jax.process_count() > 1 else None
         self._forward = build_forward(self.graphdef, self.vocab,
                                       jax.tree.map(lambda x: x.sharding, self.state),
-                                      self.kv_sharding, self.replicated)
+                                      self.kv_sharding, self.replicated,
+                                      lora and (lora.shardings, lora.num_slots, self.arch.tp_size))
         self._sample = build_sample(self.replicated)
         self._no_mask = jax.device_put(np.bool_(False), self.replicated)
         rep = self.replicated
@@ -283,9 +294,11 @@ class ModelRunner:
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
     def _compile(self, T: int, S: int):
+        adapters = () if self.lora is None else (
+            (self._abstract(self.lora.weights), jax.ShapeDtypeStruct((T,), jnp.int32)),)
         return self._forward.lower(self._abstract(self.state), self._abstract(self.kv_cache),
                                    self._abstract(self.sampler_state),
-                                   *self._abstract_inputs(T, S)).compile(
+                                   *self._abstract_inputs(T, S), *adapters).compile(
             step_compiler_options(platform_of(self.mesh)))
 
     def _compile_sample(self, S: int):
@@ -301,6 +314,8 @@ class ModelRunner:
     def compile_all(self, progress: bool = True) -> float:
         start = time.perf_counter()
         self.block_ops.compile()
+        if self.lora is not None:
+            self.lora.compile()
         K, sds = ROW_INIT_GROUP, jax.ShapeDtypeStruct
         self._set_rows = self._set_rows.lower(
             self._abstract(self.sampler_state), sds((K,), jnp.int32),
@@ -342,7 +357,7 @@ class ModelRunner:
         for new in out.scheduled_new_reqs:
             p = new.sampling_params
             row = batch.add(new.req_id, new.token_ids, new.num_prompt_tokens, new.block_ids,
-                            p, new.seed, new.bad_word_ids)
+                            p, new.seed, new.bad_word_ids, new.lora_id)
             if p.has_penalties or p.has_bias or p.min_tokens > 0:
                 self._pending_rows.append((row, new))
         for cached in out.scheduled_cached_reqs:
@@ -392,9 +407,9 @@ class ModelRunner:
         return jax.tree.map(
             lambda x: jax.make_array_from_process_local_data(self.replicated, np.asarray(x)), tree)
 
-    def _run_forward(self, shape, inputs, announced: bool = False):
+    def _run_forward(self, shape, inputs, token_slots=None, announced: bool = False):
         """The forward pass of a (T, S) step: (logits, prompt logprobs, sampling metadata as
-        sampling reads it), on the device."""
+        sampling reads it), on the device. `token_slots`: each token's LoRA slot (with LoRA)."""
         if self.channel is not None:
             if not announced:
                 self.channel.announce(mp.STEP, *shape)
@@ -405,7 +420,10 @@ class ModelRunner:
             self.num_compiles_after_warmup += 1
             logger.warning("compiled step shape %s outside warm-up", shape)
         args = self._put(inputs)
-        logits, plp, self.kv_cache = exe(self.state, self.kv_cache, self.sampler_state, *args)
+        # with LoRA: the slots' weights and each token's slot (jaxllm.lora)
+        adapters = () if token_slots is None else ((self.lora.weights, self._put(token_slots)),)
+        logits, plp, self.kv_cache = exe(self.state, self.kv_cache, self.sampler_state, *args,
+                                         *adapters)
         return logits, plp, sampling_only(args[-1])
 
     def _run_sample(self, S: int, logits, smd, bitmask: np.ndarray | None,
@@ -503,6 +521,16 @@ class ModelRunner:
                      batch.num_prompt_tokens[rows].copy())
         return step, (T, S), (input_ids, md, logits_idx, smd)
 
+    def _token_slots(self, rows: np.ndarray, md: AttentionMetadata, T: int) -> np.ndarray:
+        """Each token's adapter slot (0: none), the step's adapters brought in first."""
+        keys = self.batch.lora_id[rows].tolist()
+        slot_of, self.lora_failures = self.lora.activate(keys)
+        row_slots = np.fromiter((slot_of.get(k, 0) for k in keys), np.int32, len(rows))
+        T_real = int(md.query_start_loc[-1])
+        token_slots = np.zeros(T, np.int32)
+        token_slots[:T_real] = row_slots[md.token_seq_ids[:T_real]]
+        return token_slots
+
     def _sampling_metadata(self, rows, n, starts, final, md, T: int, S: int) -> SamplingMetadata:
         batch, c = self.batch, self.batch.cols
         S_real, T_real = len(rows), int(n.sum())
@@ -554,6 +582,7 @@ class ModelRunner:
         results are read by collect(). Block moves and row updates happen first. `masked`:
         only the forward pass starts; sample() launches sampling under a token bitmask that
         the host computes meanwhile."""
+        self.lora_failures = {}
         if out.has_block_ops:
             # swap-outs first: their device blocks may be handed out again in this very step
             ops = self.block_ops
@@ -565,7 +594,8 @@ class ModelRunner:
             return None
         step, shape, inputs = self._prepare(out, list(out.num_scheduled_tokens))
         smd = inputs[-1]
-        logits, plp, smd_dev = self._run_forward(shape, inputs)
+        slots = None if self.lora is None else self._token_slots(step.rows, inputs[1], shape[0])
+        logits, plp, smd_dev = self._run_forward(shape, inputs, slots)
         self.num_steps += 1
         flight = InFlight(step, None, bool(smd.any_logprobs), bool(smd.any_prompt_logprobs),
                           (logits, plp, smd_dev))
