@@ -37,6 +37,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--scheduling-policy", default=None, choices=["fcfs", "priority"])
     g.add_argument("--preemption-mode", default=None, choices=["recompute", "swap"])
     g.add_argument("--swap-space", type=float, default=None, help="GiB of host memory for swap")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     g.add_argument("--compilation-cache-dir", default=None,
                    help="persistent XLA compilation cache (default ~/.cache/jaxllm/xla)")
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from jaxllm.spec_decode.config import SpeculativeConfig
+
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 LOAD_FORMATS = ("auto", "dummy")
 
@@ -43,6 +45,9 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"      # or "priority": lower `priority` values first
     preemption_mode: str = "recompute"   # or "swap": blocks go to host memory and back
     swap_space: float = 4.0              # GiB of host memory for swapped blocks
+    # speculative decoding: vLLM's dict (or its JSON), e.g. {"method": "ngram",
+    # "num_speculative_tokens": 4}; jaxllm.spec_decode.config.SpeculativeConfig
+    speculative_config: SpeculativeConfig | dict | str | None = None
     # compilation
     compilation_cache_dir: str | None = field(
         default_factory=lambda: os.environ.get(
@@ -83,6 +88,9 @@ class EngineConfig:
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if not self.swap_space >= 0:
             raise ValueError(f"swap_space must be non-negative (GiB), got {self.swap_space}")
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if self.speculative_config is not None and self.num_processes > 1:
+            raise ValueError("speculative_config is not supported across processes yet")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
             raise ValueError("num_gpu_blocks_override must be at least 2 (one is the null block)")
 

@@ -99,8 +99,17 @@ class LLMEngine:
             raise ValueError(f"max_model_len ({config.max_model_len}) is larger than the model's "
                              f"maximum context ({model_max})")
         config.resolve(platform, model_max)
+        spec = config.speculative_config
+        draft = None
+        if spec is not None and spec.method == "draft_model":
+            from jaxllm.spec_decode.draft_model import check_draft
+            draft = load_model(spec.model, self.policy, "auto", config.seed,
+                               attention_backend=config.attention_backend, mesh=self.mesh)
+            check_draft(draft, loaded, config.max_model_len)
         bs = config.block_size
-        per_block = kv_bytes_per_block(self.arch, bs, self.dtype)
+        # a draft model's cache has the same blocks as the target's: a block costs both
+        per_block = kv_bytes_per_block(self.arch, bs, self.dtype) + (
+            kv_bytes_per_block(draft.arch, bs, self.dtype) if draft is not None else 0)
         self.is_follower = jax.process_index() != 0
         num_blocks = 0 if self.is_follower else self._num_blocks(platform, per_block, loaded)
         if jax.process_count() > 1:  # every process sizes its cache as process 0 did
@@ -111,12 +120,26 @@ class LLMEngine:
             logger.info("swap space: %d host blocks (%.2f GiB)", num_host_blocks, config.swap_space)
         self.kv_manager = KVCacheManager(num_blocks, bs, config.enable_prefix_caching,
                                          num_host_blocks)
+        k = spec.k if spec is not None else 0
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.max_model_len,
-                                   config.scheduling_policy, config.preemption_mode)
+                                   config.scheduling_policy, config.preemption_mode,
+                                   num_lookahead_tokens=k if draft is not None else 0,
+                                   num_spec_tokens=k)
         self.runner = ModelRunner(loaded, self.dtype, num_blocks, bs, config.max_model_len,
                                   config.max_num_seqs, config.max_num_batched_tokens,
-                                  num_host_blocks, config.attention_backend)
+                                  num_host_blocks, config.attention_backend, num_spec_tokens=k,
+                                  spec_probabilistic=spec is not None
+                                  and spec.draft_sample_method == "probabilistic")
+        self.speculator = None
+        if spec is not None:
+            from jaxllm.spec_decode.proposer import Speculator
+            self.speculator = Speculator(spec, self.runner.batch)
+            if draft is not None:
+                from jaxllm.spec_decode.draft_model import DraftModel
+                self.runner.drafter = DraftModel(draft, self.runner, num_host_blocks, k,
+                                                 spec.draft_sample_method == "probabilistic")
+            logger.info("speculative decoding: %s", spec.describe())
         if config.warmup:
             secs = self.runner.compile_all()
             logger.info("compiled %d step shapes in %.1f s", len(self.runner.shapes.all), secs)
@@ -267,10 +290,17 @@ class LLMEngine:
         schedules the step after); without it, each step is read before the next one."""
         outputs = []
         overlap = self.config.async_scheduling and not self._needs_sync
-        if self._in_flight is not None and not overlap:
+        # a step that verified proposals decides where each request's next tokens go (its
+        # accepted count): it is read before the next step is scheduled
+        verified = self._in_flight is not None and bool(self._in_flight[0].scheduled_spec_decode_tokens)
+        if self._in_flight is not None and (not overlap or verified):
             outputs += self._finish_step(*self._in_flight)
             self._in_flight = None
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         out = self.scheduler.schedule()
+        if self.runner.drafter is not None:
+            self.runner.drafter.enabled = self.speculator.enabled_for(self.scheduler.num_running)
         scheduled_at = time.time()
         for rid in out.num_scheduled_tokens:
             parent = self.outputs.parent_of(rid)
@@ -360,5 +390,10 @@ class LLMEngine:
             "kv_waste_slot_steps": self.kv_waste_slot_steps,
             "peak_running": self.peak_running,
             "kv_total_slots": self.kv_manager.pool.num_usable_blocks * self.config.block_size,
+            # speculative decoding (vLLM's counters): verifications, proposed and accepted tokens
+            "spec_decode_num_drafts": sched.spec_num_drafts,
+            "spec_decode_num_draft_tokens": sched.spec_num_draft_tokens,
+            "spec_decode_num_accepted_tokens": sched.spec_num_accepted_tokens,
+            "spec_decode_num_accepted_tokens_per_pos": list(sched.spec_accepted_per_pos),
         }
 

@@ -27,6 +27,8 @@ from jaxllm.parallel import multiprocess as mp
 from jaxllm.runner.block_ops import BlockOps
 from jaxllm.runner.buckets import StepShapes, make_buckets
 from jaxllm.runner.input_batch import COLUMNS, InputBatch
+from jaxllm.runner.rejection_sampler import (SpecState, VerifyMetadata, VerifyOutput, init_spec_state,
+                                             no_verify, num_verify_rows, verify)
 from jaxllm.sampling_params import GREEDY_EPS
 from jaxllm.runner.sampler import (MAX_BANNED, MAX_LOGPROBS, SamplerOutput, SamplingMetadata,
                                    init_state, prompt_logprobs, sample, set_rows)
@@ -117,20 +119,29 @@ def _host(x) -> np.ndarray:
     return np.asarray(x if x.is_fully_addressable else x.addressable_data(0))
 
 
-def build_step(graphdef, vocab: int, state_sharding, kv_sharding, replicated):
+def build_step(graphdef, vocab: int, state_sharding, kv_sharding, replicated, num_spec: int = 0):
     """The one jitted engine step: the model over the flat batch, the logits of the rows that
     sample, sampling, and prompt logprobs when asked for. The cache and sampler state are
-    donated; the sampled tokens also stay in the sampler state for the next step."""
+    donated; the sampled tokens also stay in the sampler state for the next step.
 
-    def step(state, kv_cache, sampler_state, input_ids, md, logits_indices, smd):
+    With speculative decoding (num_spec = k > 0) the step also takes the verified positions
+    (VerifyMetadata) and the proposals a draft model left on the device (SpecState), verifies
+    them by rejection sampling and emits up to k + 1 tokens per sequence (VerifyOutput)."""
+
+    def step(state, kv_cache, sampler_state, input_ids, md, logits_indices, smd, vmd=None,
+             spec_state=None):
         model = nnx.merge(graphdef, state)
         # -1: the token the previous step sampled for this row, which the host does not know
-        # yet (async scheduling); it waits on the device
-        from_device = sampler_state.last_token[smd.rows[md.token_seq_ids]]
+        # yet (async scheduling); it waits on the device. -2 - j: a draft model's proposal j
+        rows = smd.rows[md.token_seq_ids]
+        from_device = sampler_state.last_token[rows]
+        if num_spec:
+            slot = jnp.clip(-input_ids - 2, 0, num_spec - 1)
+            from_device = jnp.where(input_ids <= -2, spec_state.draft_tokens[rows, slot], from_device)
         input_ids = jnp.where(input_ids < 0, from_device, input_ids)
         hidden, kv_cache = model(kv_cache, input_ids, md)
         logits = model.compute_logits(hidden[logits_indices])
-        (tokens, lp, rank, top_ids, top_lp), sampler_state = sample(logits, smd, sampler_state)
+        base, sampler_state = sample(logits, smd, sampler_state)
         T, k = hidden.shape[0], min(MAX_LOGPROBS, vocab)
         zeros = (jnp.zeros(T, jnp.float32), jnp.zeros(T, jnp.int32),
                  jnp.zeros((T, k), jnp.int32), jnp.zeros((T, k), jnp.float32))
@@ -139,11 +150,24 @@ def build_step(graphdef, vocab: int, state_sharding, kv_sharding, replicated):
             lambda h: prompt_logprobs(model.compute_logits, h, smd.next_ids,
                                       md.query_start_loc[-1], vocab),
             lambda h: zeros, hidden)
-        return SamplerOutput(tokens, lp, rank, top_ids, top_lp, *plp), kv_cache, sampler_state
+        if not num_spec:
+            return SamplerOutput(*base, *plp), kv_cache, sampler_state
+
+        def with_drafts(sampler_state):
+            raw = model.compute_logits(hidden[vmd.token_idx])
+            return verify(raw, input_ids, base, smd, vmd, sampler_state, spec_state, num_spec)
+
+        def without(sampler_state):
+            return (*no_verify(base, smd, num_spec), sampler_state)
+
+        tokens, num, stats, sampler_state = jax.lax.cond(vmd.any_spec, with_drafts, without,
+                                                         sampler_state)
+        return VerifyOutput(tokens, num, *stats, *plp, input_ids), kv_cache, sampler_state
 
     rep = replicated
+    extra = (rep, rep) if num_spec else ()
     return jax.jit(step, donate_argnums=(1, 2),
-                   in_shardings=(state_sharding, kv_sharding, rep, rep, rep, rep, rep),
+                   in_shardings=(state_sharding, kv_sharding, rep, rep, rep, rep, rep) + extra,
                    out_shardings=(rep, kv_sharding, rep))
 
 
@@ -155,9 +179,11 @@ def step_compiler_options(platform: str) -> dict | None:
     return {"xla_gpu_memory_limit_slop_factor": 10000} if platform == "gpu" else None
 
 
-def abstract_step_inputs(T: int, S: int, block_size: int, max_blocks_per_seq: int, qt: int):
+def abstract_step_inputs(T: int, S: int, block_size: int, max_blocks_per_seq: int, qt: int,
+                         num_spec: int = 0):
     """Shapes of a (T tokens, S sequences) step's inputs after the state, cache and sampler
-    state: input ids, attention metadata, logits indices, sampling metadata."""
+    state: input ids, attention metadata, logits indices, sampling metadata (and with
+    speculative decoding the verified positions)."""
     i32, f32, b = jnp.int32, jnp.float32, jnp.bool_
     sds = jax.ShapeDtypeStruct
     W = max_tiles(T, S, qt)
@@ -170,13 +196,19 @@ def abstract_step_inputs(T: int, S: int, block_size: int, max_blocks_per_seq: in
         sds((S,), i32), sds((S,), i32), sds((S,), b), sds((S,), f32), sds((S,), f32),
         sds((S,), f32), sds((S,), i32), sds((S,), b), sds((S, MAX_BANNED), i32), sds((T,), i32),
         *[sds((), b)] * 8)
-    return sds((T,), i32), md, sds((S,), i32), smd
+    if not num_spec:
+        return sds((T,), i32), md, sds((S,), i32), smd
+    R = num_verify_rows(T, S, num_spec)
+    vmd = VerifyMetadata(sds((R,), i32), sds((R,), i32), sds((R,), i32), sds((R,), b),
+                         sds((S,), i32), sds((S,), b), sds((), b), sds((), b))
+    return sds((T,), i32), md, sds((S,), i32), smd, vmd
 
 
 class ModelRunner:
     def __init__(self, loaded, dtype, num_blocks: int, block_size: int, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, num_host_blocks: int = 0,
-                 attention_backend: str = "xla"):
+                 attention_backend: str = "xla", num_spec_tokens: int = 0,
+                 spec_probabilistic: bool = False):
         self.arch = loaded.arch
         self.attention_backend = attention_backend
         self.graphdef = loaded.graphdef
@@ -207,9 +239,19 @@ class ModelRunner:
         self.device_wait_seconds = 0.0  # host time spent waiting for steps' results
         self.num_compiles_after_warmup = 0
         self.channel = mp.Channel() if jax.process_count() > 1 else None
+        # speculative decoding: k proposals per step at most; a draft model (spec_decode)
+        # attaches itself as `drafter` and leaves its proposals in spec_state
+        self.num_spec = num_spec_tokens
+        self.spec_probabilistic = spec_probabilistic
+        self.drafter = None
+        self.spec_state = None
+        if num_spec_tokens:
+            self.spec_state = jax.jit(
+                lambda: init_spec_state(max_num_seqs, num_spec_tokens, self.vocab, spec_probabilistic),
+                out_shardings=self.replicated)()
         self._step = build_step(self.graphdef, self.vocab,
                                 jax.tree.map(lambda x: x.sharding, self.state),
-                                self.kv_sharding, self.replicated)
+                                self.kv_sharding, self.replicated, num_spec_tokens)
         rep = self.replicated
         self._set_rows = jax.jit(set_rows, donate_argnums=(0,), in_shardings=rep, out_shardings=rep)
 
@@ -218,7 +260,12 @@ class ModelRunner:
 
     # compilation
     def _abstract_inputs(self, T: int, S: int):
-        return abstract_step_inputs(T, S, self.block_size, self.max_blocks_per_seq, self.q_tile(T))
+        return abstract_step_inputs(T, S, self.block_size, self.max_blocks_per_seq, self.q_tile(T),
+                                    self.num_spec)
+
+    def _extra_state(self) -> tuple:
+        """Device state the step reads after its inputs (a draft model's proposals)."""
+        return (self.spec_state,) if self.num_spec else ()
 
     def _abstract(self, tree):
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
@@ -226,7 +273,8 @@ class ModelRunner:
     def _compile(self, T: int, S: int):
         return self._step.lower(self._abstract(self.state), self._abstract(self.kv_cache),
                                 self._abstract(self.sampler_state),
-                                *self._abstract_inputs(T, S)).compile(
+                                *self._abstract_inputs(T, S),
+                                *self._abstract(self._extra_state())).compile(
             step_compiler_options(platform_of(self.mesh)))
 
     def compile_all(self, progress: bool = True) -> float:
@@ -247,6 +295,8 @@ class ModelRunner:
                 self._compiled[shape] = fut.result()
                 bar.update(1)
             bar.close()
+        if self.drafter is not None:
+            self.drafter.compile_all(self, progress)
         return time.perf_counter() - start
 
     def activation_bytes(self) -> int:
@@ -324,8 +374,9 @@ class ModelRunner:
             exe = self._compiled[shape] = self._compile(*shape)
             self.num_compiles_after_warmup += 1
             logger.warning("compiled step shape %s outside warm-up", shape)
+        self._last_args = args = self._put(inputs)
         res, self.kv_cache, self.sampler_state = exe(self.state, self.kv_cache,
-                                                     self.sampler_state, *self._put(inputs))
+                                                     self.sampler_state, *args, *self._extra_state())
         return res
 
     def _set_sampler_rows(self, args, announced: bool = False) -> None:
@@ -378,6 +429,8 @@ class ModelRunner:
         start_of.update((d.req_id, d.num_computed_tokens) for d in out.scheduled_cached_reqs)
         starts = np.fromiter((start_of[r] for r in req_ids), np.int32, len(req_ids))
         final = np.fromiter((r in out.sampling_req_ids for r in req_ids), np.bool_, len(req_ids))
+        spec = out.scheduled_spec_decode_tokens
+        nd = np.fromiter((len(spec.get(r, ())) for r in req_ids), np.int32, len(req_ids))
         S_real, T_real = len(req_ids), int(n.sum())
         T, S = self.shapes.pick(T_real, S_real)
         md = attention_metadata(starts, n, batch.block_table[rows], T, S, self.block_size,
@@ -389,14 +442,46 @@ class ModelRunner:
         input_ids[:T_real] = np.where(known, batch.token_ids[tok_rows, np.where(known, pos, 0)], -1)
         logits_idx = np.zeros(S, np.int32)
         logits_idx[:S_real] = md.query_start_loc[1:S_real + 1] - 1
-        smd = self._sampling_metadata(rows, n, starts, final, md, T, S)
+        smd = self._sampling_metadata(rows, n, starts, final, md, T, S, nd)
+        inputs = (input_ids, md, logits_idx, smd)
+        if self.num_spec:
+            inputs += (self._verify_metadata(spec, req_ids, n, nd, md, smd, input_ids, T, S),)
         c = batch.cols
         step = _Step(req_ids, rows, batch.serial[rows].copy(), starts, n, final,
                      c["num_logprobs"][rows].copy(), c["num_prompt_logprobs"][rows].copy(),
-                     batch.num_prompt_tokens[rows].copy())
-        return step, (T, S), (input_ids, md, logits_idx, smd)
+                     batch.num_prompt_tokens[rows].copy(), nd)
+        return step, (T, S), inputs
 
-    def _sampling_metadata(self, rows, n, starts, final, md, T: int, S: int) -> SamplingMetadata:
+    def _verify_metadata(self, spec, req_ids, n, nd, md, smd, input_ids, T: int, S: int):
+        """The proposals are the last nd[i] tokens of sequence i: put them in the input ids
+        (from the host, or -2 - j for a draft model's proposal j held on the device), and
+        list the positions that score them."""
+        R, k = num_verify_rows(T, S, self.num_spec), self.num_spec
+        S_real, R_real = len(req_ids), int(nd.sum())
+        if R_real > R:
+            raise RuntimeError(f"{R_real} proposals exceed the step's {R} verified positions")
+        seq = np.repeat(np.arange(S_real, dtype=np.int32), nd)
+        pos = np.arange(R_real, dtype=np.int32) - np.repeat(np.cumsum(nd) - nd, nd).astype(np.int32)
+        first = md.query_start_loc[:S_real] + n - nd  # each sequence's first proposal
+        if R_real:
+            drafts = np.concatenate([spec[r] for r, m in zip(req_ids, nd) if m]).astype(np.int32)
+            input_ids[first[seq] + pos] = np.where(drafts >= 0, drafts, -2 - pos)
+        token_idx = np.zeros(R, np.int32)
+        token_idx[:R_real] = first[seq] + pos - 1
+        valid = np.zeros(R, np.bool_)
+        valid[:R_real] = True
+        nd_pad = np.zeros(S, np.int32)
+        nd_pad[:S_real] = nd
+        prob = (nd_pad > 0) & (smd.temperature >= GREEDY_EPS) & self.spec_probabilistic
+        pad = np.zeros(R, np.int32)
+        pad[:R_real] = seq
+        pos_pad = np.zeros(R, np.int32)
+        pos_pad[:R_real] = pos
+        return VerifyMetadata(token_idx, pad, pos_pad, valid, nd_pad, prob, np.bool_(R_real > 0),
+                              np.bool_(prob.any()))
+
+    def _sampling_metadata(self, rows, n, starts, final, md, T: int, S: int,
+                           num_draft=None) -> SamplingMetadata:
         batch, c = self.batch, self.batch.cols
         S_real, T_real = len(rows), int(n.sum())
 
@@ -412,6 +497,10 @@ class ModelRunner:
         # the output index of the token each row samples: its seed stream's position
         gen_index = np.zeros(S, np.int32)
         gen_index[:S_real] = starts + n - batch.num_prompt_tokens[rows]
+        # verified proposals are drawn at earlier output indices than the row's last token
+        first_index = gen_index.copy()
+        if num_draft is not None:
+            first_index[:S_real] -= num_draft
         is_final = np.zeros(S, np.bool_)
         is_final[:S_real] = final
         banned = np.full((S, MAX_BANNED), -1, np.int32)
@@ -439,7 +528,7 @@ class ModelRunner:
             np.bool_((random & ((cols["top_k"] > 0) | (cols["top_p"] < 1) | (cols["min_p"] > 0))).any()),
             np.bool_(((cols["repetition_penalty"] != 1) | (cols["frequency_penalty"] != 0)
                       | (cols["presence_penalty"] != 0)).any()),
-            np.bool_(cols["has_bias"].any()), np.bool_((cols["min_tokens"] > gen_index).any()),
+            np.bool_(cols["has_bias"].any()), np.bool_((cols["min_tokens"] > first_index).any()),
             np.bool_(any_banned), np.bool_((cols["num_logprobs"] >= 0).any()), np.bool_(any_plp))
 
     def dispatch(self, out: SchedulerOutput) -> "InFlight | None":
@@ -451,12 +540,16 @@ class ModelRunner:
             self.kv_cache = ops.swap_out(self.kv_cache, out.blocks_to_swap_out)
             self.kv_cache = ops.swap_in(self.kv_cache, out.blocks_to_swap_in)
             self._copy_blocks(out.blocks_to_copy)
+            if self.drafter is not None:  # the draft model's cache has the same blocks
+                self.drafter.block_ops(out)
         self._update_states(out)
         if out.is_empty:
             return None
         step, shape, inputs = self._prepare(out, list(out.num_scheduled_tokens))
-        smd = inputs[-1]
+        smd = inputs[3]
         res = self._run_step(shape, inputs)
+        if self.drafter is not None:  # the next step's proposals, right behind this one
+            self.drafter.propose(self, shape, self._last_args, res, bool(step.final.any()))
         self.num_steps += 1
         return InFlight(step, res, bool(smd.any_logprobs), bool(smd.any_prompt_logprobs))
 
@@ -474,17 +567,28 @@ class ModelRunner:
         if flight.want_logprobs:
             lp, rank, top_ids, top_lp = (_host(x) for x in (res.logprobs, res.ranks,
                                                             res.top_ids, res.top_logprobs))
+        if tokens.ndim == 1:  # one token per sequence: a step without speculation
+            tokens, num = tokens[:, None], np.ones(len(tokens), np.int32)
+            if flight.want_logprobs:
+                lp, rank, top_ids, top_lp = lp[:, None], rank[:, None], top_ids[:, None], top_lp[:, None]
+        else:
+            num = _host(res.num_tokens)
         held = batch.serial[st.rows] == st.serials
         for i in np.nonzero(st.final)[0]:
-            rid, tok = st.req_ids[i], int(tokens[i])
-            result.sampled[rid] = [tok]
-            # a row given to another request meanwhile (finished, preempted) keeps its tokens
+            rid, m = st.req_ids[i], int(num[i])
+            toks = tokens[i, :m].tolist()
+            result.sampled[rid] = toks
+            # a row given to another request meanwhile (finished, preempted) keeps its tokens;
+            # the first emitted token follows the row's known tokens (and accepted proposals)
             if held[i]:
-                batch.set_token(st.rows[i], st.starts[i] + st.n[i], tok)
+                first = st.starts[i] + st.n[i] - st.num_draft[i]
+                for j, tok in enumerate(toks):
+                    batch.set_token(st.rows[i], first + j, tok)
             k = int(st.num_logprobs[i])
             if flight.want_logprobs and k >= 0:
-                result.logprobs[rid] = [Logprobs(float(lp[i]), int(rank[i]),
-                                                 top_ids[i, :k].tolist(), top_lp[i, :k].tolist())]
+                result.logprobs[rid] = [Logprobs(float(lp[i, j]), int(rank[i, j]),
+                                                 top_ids[i, j, :k].tolist(),
+                                                 top_lp[i, j, :k].tolist()) for j in range(m)]
         if flight.want_prompt_logprobs:
             self._collect_prompt_logprobs(res, st, result)
         return result
@@ -523,6 +627,7 @@ class _Step:
     num_logprobs: np.ndarray         # what each row asked for (the rows may be gone by collect)
     num_prompt_logprobs: np.ndarray
     num_prompt_tokens: np.ndarray
+    num_draft: np.ndarray            # proposals verified per row
 
 
 @dataclass
