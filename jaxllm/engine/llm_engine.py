@@ -134,11 +134,11 @@ class LLMEngine:
         self.speculator = None
         if spec is not None:
             from jaxllm.spec_decode.proposer import Speculator
-            self.speculator = Speculator(spec, self.runner.batch)
             if draft is not None:
                 from jaxllm.spec_decode.draft_model import DraftModel
                 self.runner.drafter = DraftModel(draft, self.runner, num_host_blocks, k,
                                                  spec.draft_sample_method == "probabilistic")
+            self.speculator = Speculator(spec, self.runner.batch, self.runner.drafter)
             logger.info("speculative decoding: %s", spec.describe())
         if config.warmup:
             secs = self.runner.compile_all()

@@ -119,7 +119,8 @@ def _host(x) -> np.ndarray:
     return np.asarray(x if x.is_fully_addressable else x.addressable_data(0))
 
 
-def build_step(graphdef, vocab: int, state_sharding, kv_sharding, replicated, num_spec: int = 0):
+def build_step(graphdef, vocab: int, state_sharding, kv_sharding, replicated, num_spec: int = 0,
+               spec_probabilistic: bool = False):
     """The one jitted engine step: the model over the flat batch, the logits of the rows that
     sample, sampling, and prompt logprobs when asked for. The cache and sampler state are
     donated; the sampled tokens also stay in the sampler state for the next step.
@@ -155,7 +156,8 @@ def build_step(graphdef, vocab: int, state_sharding, kv_sharding, replicated, nu
 
         def with_drafts(sampler_state):
             raw = model.compute_logits(hidden[vmd.token_idx])
-            return verify(raw, input_ids, base, smd, vmd, sampler_state, spec_state, num_spec)
+            return verify(raw, input_ids, base, smd, vmd, sampler_state, spec_state, num_spec,
+                          spec_probabilistic)
 
         def without(sampler_state):
             return (*no_verify(base, smd, num_spec), sampler_state)
@@ -251,7 +253,8 @@ class ModelRunner:
                 out_shardings=self.replicated)()
         self._step = build_step(self.graphdef, self.vocab,
                                 jax.tree.map(lambda x: x.sharding, self.state),
-                                self.kv_sharding, self.replicated, num_spec_tokens)
+                                self.kv_sharding, self.replicated, num_spec_tokens,
+                                spec_probabilistic)
         rep = self.replicated
         self._set_rows = jax.jit(set_rows, donate_argnums=(0,), in_shardings=rep, out_shardings=rep)
 
@@ -549,7 +552,7 @@ class ModelRunner:
         smd = inputs[3]
         res = self._run_step(shape, inputs)
         if self.drafter is not None:  # the next step's proposals, right behind this one
-            self.drafter.propose(self, shape, self._last_args, res, bool(step.final.any()))
+            self.drafter.propose(self, shape, self._last_args, res, step)
         self.num_steps += 1
         return InFlight(step, res, bool(smd.any_logprobs), bool(smd.any_prompt_logprobs))
 

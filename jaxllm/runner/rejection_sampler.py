@@ -145,10 +145,12 @@ def _probabilistic_decisions(raw_v, md_v, state, drafts, q, prob_rows):
 
 
 def verify(raw_v, input_ids, base, smd: SamplingMetadata, vmd: VerifyMetadata,
-           state: SamplerState, spec_state: SpecState, k: int):
+           state: SamplerState, spec_state: SpecState, k: int, probabilistic: bool = False):
     """raw_v [R, V]: raw target logits at the verified positions. base: (tokens, lp, rank,
     top_ids, top_lp) the sampler drew at each sequence's last token (the bonus), with `state`
-    as it left it. Returns (tokens [S, K+1], num [S], stats [S, K+1, ...], state)."""
+    as it left it. `probabilistic`: some proposals may come with their q (else all are
+    one-hot and that path is not built). Returns (tokens [S, K+1], num [S], stats [S, K+1,
+    ...], state)."""
     S = smd.rows.shape[0]
     seq, pos, valid = vmd.seq, vmd.pos, vmd.valid
     md_v = verify_metadata_rows(smd, vmd)
@@ -156,17 +158,19 @@ def verify(raw_v, input_ids, base, smd: SamplingMetadata, vmd: VerifyMetadata,
     (sampled, *_), _ = sample(raw_v, md_v, state)
     accept = sampled == drafts
     recovered = sampled
-    prob_rows = vmd.probabilistic[seq] & valid
+    if probabilistic:
+        prob_rows = vmd.probabilistic[seq] & valid
 
-    def probabilistic(_):
-        q = spec_state.draft_probs[md_v.rows, pos]
-        return _probabilistic_decisions(raw_v, md_v, state, drafts, q, prob_rows)
+        def with_q(_):
+            q = spec_state.draft_probs[md_v.rows, pos]
+            return _probabilistic_decisions(raw_v, md_v, state, drafts, q, prob_rows)
 
-    p_accept, p_recovered = jax.lax.cond(
-        vmd.any_probabilistic, probabilistic,
-        lambda _: (jnp.zeros_like(accept), jnp.zeros_like(recovered)), None)
-    accept = jnp.where(prob_rows, p_accept, accept) & valid
-    recovered = jnp.where(prob_rows, p_recovered, recovered)
+        p_accept, p_recovered = jax.lax.cond(
+            vmd.any_probabilistic, with_q,
+            lambda _: (jnp.zeros_like(accept), jnp.zeros_like(recovered)), None)
+        accept = jnp.where(prob_rows, p_accept, accept)
+        recovered = jnp.where(prob_rows, p_recovered, recovered)
+    accept &= valid
 
     # per sequence: the accepted prefix, then the recovered or the bonus token
     dst = jnp.where(valid, seq, S)  # padded rows land nowhere

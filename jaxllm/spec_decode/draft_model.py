@@ -94,6 +94,8 @@ class DraftModel:
         # the engine turns the proposal passes off while no request may speculate
         # (disable_by_batch_size); the mirror pass always runs, to keep the cache whole
         self.enabled = True
+        # requests whose proposals on the device were made after their latest sampled token
+        self.fresh: set[str] = set()
         self.num_compiles_after_warmup = 0
         rep = runner.replicated
         state_sh = jax.tree.map(lambda x: x.sharding, self.state)
@@ -207,7 +209,7 @@ class DraftModel:
             logger.warning("compiled draft model shape %s outside warm-up", key)
         return exe
 
-    def propose(self, runner, shape, args, res, any_final: bool) -> None:
+    def propose(self, runner, shape, args, res, step) -> None:
         """Behind a dispatched target step: mirror its tokens, then (when a sequence sampled
         and proposals are wanted) propose k tokens for each sampling sequence."""
         T, S = shape
@@ -216,8 +218,11 @@ class DraftModel:
                            lambda: self._compile_mirror(runner, T, S))
         self.kv_cache, start = mirror(self.state, self.kv_cache, res.input_ids, md, smd, vmd,
                                       res.tokens, res.num_tokens)
-        if not (any_final and self.enabled):
+        sampled = [rid for rid, f in zip(step.req_ids, step.final) if f]
+        if not (sampled and self.enabled):
+            self.fresh.difference_update(sampled)
             return
+        self.fresh.update(sampled)
         decode = self._exe(self._compiled_decode, S, lambda: self._compile_decode(runner, S))
         smd = dataclasses.replace(smd, next_ids=self._no_next_ids)
         self.kv_cache, runner.spec_state = decode(self.state, self.kv_cache, runner.spec_state,

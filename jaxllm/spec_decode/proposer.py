@@ -24,9 +24,10 @@ ON_DEVICE = -1  # a proposal held on the device
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, batch):
+    def __init__(self, config: SpeculativeConfig, batch, drafter=None):
         self.config = config
         self.batch = batch  # the runner's InputBatch: token rows of running requests
+        self.drafter = drafter  # a draft model: which requests have proposals on the device
 
     def can_speculate(self, req) -> bool:
         p = req.sampling_params
@@ -36,24 +37,29 @@ class Speculator:
         limit = self.config.disable_by_batch_size
         return limit is None or num_running <= limit
 
-    def propose(self, running) -> None:
-        """Set spec_token_ids on the running requests that speculate this step."""
-        cfg = self.config
+    def eligible(self, running) -> list:
+        """The running requests that may speculate this step."""
         if not self.enabled_for(len(running)):
-            return
+            return []
         row_of = self.batch.row_of
-        reqs = [r for r in running
+        return [r for r in running
                 if r.status == RequestStatus.RUNNING and r.request_id in row_of
                 # decoding: it has sampled, and at most its last token is left to compute
                 and r.num_tokens_with_placeholders > r.num_prompt_tokens
                 and r.num_computed_tokens >= r.num_tokens - 1 and self.can_speculate(r)]
+
+    def propose(self, running) -> None:
+        """Set spec_token_ids on the running requests that speculate this step."""
+        cfg = self.config
+        reqs = self.eligible(running)
         if not reqs:
             return
         if cfg.method == "draft_model":
             for r in reqs:
-                r.spec_token_ids = [ON_DEVICE] * cfg.k
+                if r.request_id in self.drafter.fresh:
+                    r.spec_token_ids = [ON_DEVICE] * cfg.k
             return
-        rows = np.fromiter((row_of[r.request_id] for r in reqs), np.int64, len(reqs))
+        rows = np.fromiter((self.batch.row_of[r.request_id] for r in reqs), np.int64, len(reqs))
         lengths = self.batch.num_tokens[rows]
         skip = np.fromiter((r.num_output_placeholders > 0 for r in reqs), np.int64, len(reqs))
         tokens = self.batch.token_ids[rows, :int(lengths.max())]
