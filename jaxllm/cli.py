@@ -153,6 +153,7 @@ def main(argv=None) -> int:
     for name, module, help_, engine in (
             ("throughput", "throughput", "offline throughput against HF transformers", True),
             ("latency", "latency", "TTFT and decode step time at batch 1 and N", True),
+            ("spec", "spec_decode", "speculative decoding's speed-up against batch size", True),
             ("serve", "serve", "online load against an OpenAI-compatible server", False),
             ("kernels", "kernels", "paged-attention kernels against measured peaks", False),
             ("dots", "dots", "the dtype forms of a projection's dot on this machine", False),

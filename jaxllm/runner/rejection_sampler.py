@@ -155,12 +155,17 @@ def verify(raw_v, input_ids, base, smd: SamplingMetadata, vmd: VerifyMetadata,
     seq, pos, valid = vmd.seq, vmd.pos, vmd.valid
     md_v = verify_metadata_rows(smd, vmd)
     drafts = input_ids[vmd.token_idx + 1]  # each proposal follows the token that scores it
-    (sampled, *_), _ = sample(raw_v, md_v, state)
+    if probabilistic:  # rows with a sampled proposal need no draw of the target's own token
+        prob_rows = vmd.probabilistic[seq] & valid
+        temp = jnp.where(prob_rows, 0.0, md_v.temperature)
+        md_t = dataclasses.replace(md_v, temperature=temp,
+                                   any_random=jnp.any((temp >= GREEDY_EPS) & valid))
+        (sampled, *_), _ = sample(raw_v, md_t, state)
+    else:
+        (sampled, *_), _ = sample(raw_v, md_v, state)
     accept = sampled == drafts
     recovered = sampled
     if probabilistic:
-        prob_rows = vmd.probabilistic[seq] & valid
-
         def with_q(_):
             q = spec_state.draft_probs[md_v.rows, pos]
             return _probabilistic_decisions(raw_v, md_v, state, drafts, q, prob_rows)
