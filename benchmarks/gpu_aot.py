@@ -105,6 +105,37 @@ def _hlo_report() -> dict:
     return dict(rematerialized_instructions=remat, large_dynamic_slice_copies=copies)
 
 
+_CODES = ("u8", "s8", "f8e4m3fn")
+
+
+def _dequantized_copies() -> list[dict]:
+    """Fusions that read quantized codes and write a float tensor about as large as the codes
+    (a dequantized weight in HBM) rather than feeding them to a matmul in the same fusion."""
+    found = []
+    for path in glob.glob(os.path.join(DUMP, "*jit_step*after_optimizations.txt")):
+        text = open(path).read()
+        for comp in re.split(r"\n(?=\S)", text):
+            params = re.findall(r"= (u8|s8|f8e4m3fn)\[([\d,]+)\]\{[^}]*\} parameter\(", comp)
+            big = [int(np_prod(d)) for t, d in params if int(np_prod(d)) >= 2**20]
+            if not big:
+                continue
+            m = re.search(r"ROOT %\S+ = (bf16|f16|f32)\[([\d,]*)\]\S* (\w[\w-]*)\(", comp)
+            if m is None or m.group(3) in ("dot", "custom-call", "convolution"):
+                continue
+            out = int(np_prod(m.group(2)))
+            if out >= max(big) // 2:
+                found.append(dict(computation=comp.split(" ", 1)[0], output=f"{m.group(1)}[{m.group(2)}]",
+                                  codes=max(big)))
+    return found
+
+
+def np_prod(dims: str) -> int:
+    n = 1
+    for d in filter(None, dims.split(",")):
+        n *= int(d)
+    return n
+
+
 def compile_kernels(rep, arch: str) -> list[dict]:
     from jaxllm.runner.model_runner import abstract_step_inputs, table_width
     from pallas_kernels.ragged_paged_attention import q_tile, ragged_paged_attention
@@ -138,8 +169,10 @@ def compile_steps(mesh, device_memory: int, args) -> dict:
     from jaxllm.layers.linear import uniform_policy
     from jaxllm.models.registry import arch_from_hf, get_model_class
     from jaxllm.parallel import plan, runtime_arch, sharding
-    from jaxllm.runner.model_runner import (abstract_step_inputs, build_step, kv_bytes_per_block,
-                                            kv_cache_shape, step_compiler_options, table_width)
+    from jaxllm.runner.model_runner import (abstract_sample_inputs, abstract_step_inputs,
+                                            build_forward, build_sample, kv_bytes_per_block,
+                                            kv_cache_shape, step_compiler_options,
+                                            step_scratch_bytes, table_width)
     from jaxllm.runner.sampler import init_state
     import json
 
@@ -147,36 +180,62 @@ def compile_steps(mesh, device_memory: int, args) -> dict:
         ckpt_arch = arch_from_hf(json.load(f))
     arch = runtime_arch(ckpt_arch, plan(ckpt_arch, mesh.size))
     dtype = jnp.dtype(args.dtype)
+    quant = None
+    if args.quantization:
+        from jaxllm import quantization as qm
+        specs = get_model_class(arch.architecture).param_specs(arch)
+        layouts = {n: lay for n, sp in specs.items()
+                   if (lay := qm.online_layout(args.quantization, n, sp)) is not None}
+        from jaxllm.loader.loader import quant_backend
+        quant = qm.QuantSpec(args.quantization, tuple(sorted(layouts.items())), quant_backend(mesh))
     graphdef, abstract_state, shardings = abstract_model(arch, uniform_policy(dtype),
-                                                         args.attention_backend, mesh)
+                                                         args.attention_backend, mesh, quant)
     state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                          abstract_state, shardings)
     # per device: each holds its shard of every weight
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state)) // mesh.size
-    kv_sh, rep = sharding(mesh, *get_model_class(arch.architecture).KV_CACHE_AXES), sharding(mesh)
+    from jaxllm.quantization import kv as kvq
+    from jaxllm.runner.model_runner import kv_cache_sharding
+    rep = sharding(mesh)
     bs = args.block_size
     width = table_width(args.max_model_len, bs)
     qt_of = lambda T: (__import__("jaxllm.layers.attention", fromlist=["q_tile_size"])  # noqa: E731
                        .q_tile_size(T, args.attention_backend, arch.num_heads // arch.num_kv_heads))
-    step = build_step(graphdef, arch.vocab_size, shardings, kv_sh, rep)
     steps = [tuple(int(v) for v in s.split("x")) for s in args.steps.split(",")]
     max_seqs = max(S for _, S in steps)
     sampler = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep),
                            jax.eval_shape(lambda: init_state(max_seqs, arch.vocab_size)))
 
+    def cache(num_blocks):
+        shapes = jax.eval_shape(lambda: kvq.make_cache(kv_cache_shape(arch, num_blocks, bs), dtype,
+                                                       args.kv_cache_dtype))
+        return shapes, kv_cache_sharding(mesh, arch, shapes)
+
+    forward = build_forward(graphdef, arch.vocab_size, shardings, cache(2)[1], rep)
+    sample = build_sample(rep)
+
     def compile_one(T, S, num_blocks):
-        kv = jax.ShapeDtypeStruct(kv_cache_shape(arch, num_blocks, bs), dtype, sharding=kv_sh)
+        shapes, kv_sh = cache(num_blocks)
+        kv = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, kv_sh)
         ins = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep),
                            abstract_step_inputs(T, S, bs, width, qt_of(T)))
         t0 = time.perf_counter()
-        exe = step.lower(state, kv, sampler, *ins).compile(step_compiler_options("gpu"))
+        exe = forward.lower(state, kv, sampler, *ins).compile(step_compiler_options("gpu"))
         return exe, time.perf_counter() - t0
 
+    def compile_sample(S):
+        ins = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep),
+                           abstract_sample_inputs(S, arch.vocab_size,
+                                                  abstract_step_inputs(S, S, bs, width, qt_of(S))[-1]))
+        logits, smd, mask, use = ins
+        return sample.lower(logits, sampler, smd, mask, use).compile(step_compiler_options("gpu"))
+
     # as the engine sizes the cache: a 2-block probe of the largest step measures its scratch
+    # (its forward pass and its sampling are two compiled calls)
     T_max, S_max = max(steps)
     probe, _ = compile_one(T_max, S_max, 2)
-    scratch = int(probe.memory_analysis().temp_size_in_bytes)
-    per_block = kv_bytes_per_block(arch, bs, dtype)
+    scratch = step_scratch_bytes(probe, compile_sample(S_max), S_max, arch.vocab_size)
+    per_block = kv_bytes_per_block(arch, bs, dtype, args.kv_cache_dtype)
     # the engine gives JAX's allocator gpu_memory_utilization of the device, then sizes the cache
     util = args.gpu_memory_utilization
     budget = kv_budget_bytes(int(util * device_memory), weight_bytes, scratch, util, util)
@@ -188,6 +247,7 @@ def compile_steps(mesh, device_memory: int, args) -> dict:
         ma = exe.memory_analysis()
         kernels = _kernel_reports(args.arch)
         rows.append(dict(tokens=T, seqs=S, compile_s=round(secs, 1), **_hlo_report(),
+                         dequantized_weight_copies=_dequantized_copies(),
                          temp_gib=round(ma.temp_size_in_bytes / 2**30, 3),
                          argument_gib=round(ma.argument_size_in_bytes / 2**30, 3),
                          output_gib=round(ma.output_size_in_bytes / 2**30, 3),
@@ -195,6 +255,7 @@ def compile_steps(mesh, device_memory: int, args) -> dict:
                          pallas_kernels=sorted({k["kernel"] for k in kernels})))
         print(rows[-1], flush=True)
     return dict(model=args.model, dtype=args.dtype, attention_backend=args.attention_backend,
+                quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                 weight_gib=round(weight_bytes / 2**30, 3), step_scratch_gib=round(scratch / 2**30, 3),
                 kv_blocks=num_blocks, kv_tokens=(num_blocks - 1) * bs,
                 kv_gib_per_device=round(num_blocks * per_block / mesh.size / 2**30, 3),
@@ -208,6 +269,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--arch", default="sm_90a", help="ptxas architecture for the register report")
     p.add_argument("--model", default=os.path.join(configs, "llama-3-8b"))
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--quantization", default=None, choices=["int8", "int4", "w8a8", "fp8"],
+                   help="compile the step with weights quantized this way (weight bytes and any "
+                        "dequantized copy of a weight in the compiled program are reported)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"])
     p.add_argument("--attention-backend", default="pallas", choices=["pallas", "xla"])
     p.add_argument("--steps", default="8192x256,256x256,32x32,1x1",
                    help="TOKENSxSEQS step shapes to compile ('' to skip the engine step)")
@@ -251,6 +316,8 @@ def run(args) -> None:
         result["engine_step"] = compile_steps(mesh, memory, args)
     tp = f"tp{args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else ""
     args.tag = args.tag or "_".join(x for x in ["aot", datetime.date.today().isoformat(),
-                                                device.replace(" ", "-"), tp, "deviceless"] if x)
+                                                device.replace(" ", "-"), tp, args.quantization,
+                                                None if args.kv_cache_dtype == "auto" else f"kv-{args.kv_cache_dtype}",
+                                                "deviceless"] if x)
     write_result(args, result, "aot")
     shutil.rmtree(DUMP, ignore_errors=True)

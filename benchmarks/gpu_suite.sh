@@ -6,7 +6,7 @@
 # into one archive in $OUT that is refreshed after every step. SUITE_MODEL / SUITE_SCALE=small shrink it for a dry run on a CPU.
 # Stages can be named to run a part (the device tool stops a command after 10 minutes, and the
 # compilation cache under .cache/ carries over between calls on a warm machine):
-#   benchmarks/gpu_suite.sh [tests] [kernels] [latency] [throughput] [serve]   (default: all)
+#   benchmarks/gpu_suite.sh [tests] [kernels] [latency] [throughput] [serve] [startup]   (default: all)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # The GPU image lacks some of our dependencies (starlette, uvicorn, pydantic, ...) and reaches
@@ -28,7 +28,7 @@ TAG="${STAMP}_${DEVICE}"
 export JAXLLM_COMPILATION_CACHE_DIR="${JAXLLM_COMPILATION_CACHE_DIR:-$PWD/.cache/xla}"
 LOG="$RESULTS/gpu_suite_${TAG}.log"
 status=0
-STAGES="${*:-tests kernels latency throughput serve}"
+STAGES="${*:-tests kernels latency throughput serve startup}"
 want() { [[ " $STAGES " == *" $1 "* ]]; }
 
 if [ "${SUITE_SCALE:-full}" = small ]; then
@@ -36,11 +36,16 @@ if [ "${SUITE_SCALE:-full}" = small ]; then
   ENGINE=(--model "$MODEL" --load-format dummy --max-model-len "$MAX_LEN" --max-num-seqs 8
           --max-num-batched-tokens 64)
   N_THROUGHPUT=8; N_SERVE=8; CONC=1,4; BATCH=4; KGRID=small; IN_LEN=64; OUT_LEN=16
+  STARTUP=(--max-model-len "$MAX_LEN" --max-num-seqs 4 --max-num-batched-tokens 32
+           --warm-runs 1 --load-runs 1)  # the default model: GGUF vs Orbax
 else
   MAX_LEN=4096
   ENGINE=(--model "$MODEL" --load-format dummy --dtype bfloat16 --gpu-memory-utilization 0.9
           --max-model-len "$MAX_LEN" --max-num-seqs 256 --max-num-batched-tokens 8192)
   N_THROUGHPUT=1000; N_SERVE=400; CONC=16,64,256; BATCH=32; KGRID=full; IN_LEN=512; OUT_LEN=64
+  # start-to-ready and weight loading of a 1B shape: safetensors vs Orbax, cold and warm
+  STARTUP=(--random-checkpoint benchmarks/configs/llama-3.2-1b --dtype bfloat16
+           --max-model-len "$MAX_LEN" --max-num-seqs 64 --max-num-batched-tokens 2048)
 fi
 
 step() {  # step NAME CMD...: run, log, remember failures, go on
@@ -96,6 +101,9 @@ if want serve; then
   kill -TERM "$SERVER" 2> /dev/null
   wait "$SERVER"
 fi
+
+want startup && step "startup" python3 -m jaxllm.cli bench startup "${STARTUP[@]}" \
+  --results-dir "$RESULTS" --tag "startup_${TAG}"
 
 echo "results in $RESULTS (status $status)" | tee -a "$LOG"
 pack

@@ -36,7 +36,7 @@ class _Recorder:
 
     def __init__(self, runner):
         self.runner, self.steps, self.batch = runner, [], 0
-        self._run = runner._run_step
+        self._run = runner._run_forward
 
         def run(shape, inputs, *a, **kw):
             md = inputs[1]
@@ -44,7 +44,7 @@ class _Recorder:
             if tokens == self.batch and int((md.seq_lens > 0).sum()) == self.batch:
                 self.steps.append((shape, inputs))
             return self._run(shape, inputs, *a, **kw)
-        runner._run_step = run
+        runner._run_forward = run
 
     def middle(self):
         return self.steps[len(self.steps) // 2]
@@ -54,16 +54,25 @@ def device_step_seconds(runner, shape, inputs, steps: int) -> float:
     """The device's own time for one step: the same compiled step run `steps` times back to
     back, inputs already on the device, no host work in between."""
     import jax
-    exe = runner._compiled[shape]
+    from jaxllm.runner.model_runner import bitmask_words, sampling_only
+    forward, sample = runner._compiled[shape], runner._compiled_sample[shape[1]]
     args = runner._put(inputs)
+    smd = sampling_only(args[-1])
+    mask = runner._put(np.full((shape[1], bitmask_words(runner.vocab)), -1, np.int32))
     kv, sampler = runner.kv_cache, runner.sampler_state
-    res, kv, sampler = exe(runner.state, kv, sampler, *args)  # once more, to settle
+
+    def step(kv, sampler):  # forward and sampling, as the engine launches them
+        logits, _, kv = forward(runner.state, kv, sampler, *args)
+        res, sampler = sample(logits, sampler, smd, mask, runner._no_mask)
+        return res, kv, sampler
+
+    res, kv, sampler = step(kv, sampler)  # once more, to settle
     jax.block_until_ready(res)
     blocks = []
     for _ in range(3):  # the median of three blocks: one noisy block does not decide it
         t = time.perf_counter()
         for _ in range(steps):
-            res, kv, sampler = exe(runner.state, kv, sampler, *args)
+            res, kv, sampler = step(kv, sampler)
         jax.block_until_ready(res)
         blocks.append((time.perf_counter() - t) / steps)
     runner.kv_cache, runner.sampler_state = kv, sampler

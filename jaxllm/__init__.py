@@ -12,6 +12,7 @@ _WHERE = {
     "EngineConfig": "jaxllm.config",
     "SamplingParams": "jaxllm.sampling_params",
     "RequestOutputKind": "jaxllm.sampling_params",
+    "StructuredOutputsParams": "jaxllm.sampling_params",
     "RequestOutput": "jaxllm.engine.outputs",
     "CompletionOutput": "jaxllm.engine.outputs",
     "BeamSearchParams": "jaxllm.beam_search",

@@ -1,13 +1,19 @@
-"""`jaxllm generate | chat | bench ...`"""
+"""`jaxllm generate | chat | serve | convert | bench ...`"""
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import importlib
 import logging
+import os
 import sys
 
 from jaxllm.config import EngineConfig
+
+
+def _quant_methods():
+    from jaxllm.quantization import METHODS
+    return METHODS
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -17,7 +23,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    g.add_argument("--quantization", "-q", default=None, choices=list(_quant_methods()),
+                   help="weight quantization (default: as the checkpoint ships it)")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--kv-cache-dtype", default=None, choices=["auto", "int8", "fp8", "fp8_e4m3"],
+                   help="KV cache storage: auto (the activation dtype), or int8 / fp8 with a scale "
+                        "per token and head (about twice the tokens of bf16)")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
@@ -111,8 +122,36 @@ def cmd_serve(args) -> int:
         if args.model is not None and args.model != args.model_tag:
             raise SystemExit("give the model once: as MODEL or as --model")
         args.model = args.model_tag
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser")
     return run_server(engine_config_from_args(args), args.host, args.port, args.served_model_name,
-                      args.api_key, args.max_queue_len, args.shutdown_timeout, args.log_interval)
+                      args.api_key, args.max_queue_len, args.shutdown_timeout, args.log_interval,
+                      args.tool_call_parser if args.enable_auto_tool_choice else None)
+
+
+def cmd_convert(args) -> int:
+    """Write MODEL as an Orbax checkpoint of the engine's layout for --tensor-parallel-size
+    devices. The layout is made on that many CPU devices, so no accelerator (or one with
+    fewer devices) is needed."""
+    from jax._src import xla_bridge
+    import jax
+    tp = args.tensor_parallel_size or 1
+    if not xla_bridge.backends_are_initialized():
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", tp)
+    kwargs = dict(model=None if args.model == "default" and not os.path.exists(args.model) else args.model, tokenizer=args.tokenizer,
+                  dtype=args.dtype, load_format=args.load_format, tensor_parallel_size=tp,
+                  seed=args.seed)
+    kwargs["quantization"] = args.quantization
+    config = EngineConfig(**kwargs)  # validates the values as the engine would
+    from jaxllm.loader.orbax import convert
+    out = convert(config.model, args.output, dtype=config.dtype,
+                  quantization=config.quantization,
+                  tensor_parallel_size=config.tensor_parallel_size, load_format=config.load_format,
+                  tokenizer=config.tokenizer, seed=config.seed)
+    print(f"wrote {out}; run it with: jaxllm serve {out}"
+          + (f" --tensor-parallel-size {tp}" if tp > 1 else ""), file=sys.stderr)
+    return 0
 
 
 def main(argv=None) -> int:
@@ -145,8 +184,30 @@ def main(argv=None) -> int:
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on SIGTERM")
     p.add_argument("--log-interval", type=float, default=10.0, help="seconds between stats lines")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='let the model decide when to call tools (tool_choice "auto")')
+    p.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
+                   help="how the model writes tool calls: hermes (<tool_call> JSON: Qwen, "
+                        "Hermes, SmolLM3 templates) or llama3_json (Llama 3.x)")
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("convert", help="write a model as an Orbax checkpoint that starts fast")
+    p.add_argument("model", metavar="MODEL",
+                   help="HF directory, GGUF file, or `default` (SmolLM2-135M-Instruct)")
+    p.add_argument("output", metavar="OUT", help="new directory for the checkpoint")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                   help="weights' dtype (auto: float32, the source's values exactly; restoring "
+                        "casts to the engine's dtype when it differs)")
+    p.add_argument("--quantization", "-q", default=None, choices=list(_quant_methods()),
+                   help="weight quantization, as the engine's (default: as the checkpoint ships it)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="devices the checkpoint's layout is for (restoring needs the same)")
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy: random weights of the model's shapes")
+    p.add_argument("--tokenizer", default=None)
+    p.add_argument("--seed", type=int, default=0, help="seed of dummy weights")
+    p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("bench", help="benchmarks")
     bench = p.add_subparsers(dest="bench_command", required=True)
@@ -154,10 +215,14 @@ def main(argv=None) -> int:
             ("throughput", "throughput", "offline throughput against HF transformers", True),
             ("latency", "latency", "TTFT and decode step time at batch 1 and N", True),
             ("spec", "spec_decode", "speculative decoding's speed-up against batch size", True),
+            ("structured", "structured", "JSON-schema requests against free ones; grammar TTFT",
+             True),
             ("serve", "serve", "online load against an OpenAI-compatible server", False),
             ("kernels", "kernels", "paged-attention kernels against measured peaks", False),
             ("dots", "dots", "the dtype forms of a projection's dot on this machine", False),
-            ("aot", "gpu_aot", "compile kernels and engine step for a GPU without one", False)):
+            ("quality", "quality", "perplexity and greedy agreement per weight format", False),
+            ("aot", "gpu_aot", "compile kernels and engine step for a GPU without one", False),
+            ("startup", "startup", "start-to-ready and weight loading: source vs Orbax, cold and warm", True)):
         mod = importlib.import_module(f"benchmarks.{module}")
         b = bench.add_parser(name, help=help_)
         if engine:

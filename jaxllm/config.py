@@ -24,8 +24,11 @@ class EngineConfig:
     dtype: str = "auto"
     max_model_len: int | None = None
     load_format: str = "auto"
+    # weight quantization (jaxllm.quantization); None: as the checkpoint ships
+    quantization: str | None = None
     seed: int = 0
     # KV cache
+    kv_cache_dtype: str = "auto"         # or "int8" / "fp8": a scale per token and head
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None
@@ -59,6 +62,10 @@ class EngineConfig:
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        from jaxllm.quantization import validate_method
+        from jaxllm.quantization.kv import validate_kv_dtype
+        validate_method(self.quantization)
+        validate_kv_dtype(self.kv_cache_dtype)
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         for name in ("tensor_parallel_size", "num_processes"):

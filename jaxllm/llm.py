@@ -113,16 +113,18 @@ class LLM:
         return search.results(self.get_tokenizer())
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True, chat_template: str | None = None) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, chat_template: str | None = None,
+             tools: list[dict] | None = None) -> list[RequestOutput]:
+        """`tools`: OpenAI-style function definitions, for chat templates that render them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.get_tokenizer()
         prompts = []
         for conv in conversations:
             ids = tok.apply_chat_template(conv, tokenize=True, add_generation_prompt=add_generation_prompt,
-                                          chat_template=chat_template)
+                                          chat_template=chat_template, tools=tools)
             if isinstance(ids, dict) or hasattr(ids, "input_ids"):
                 ids = ids["input_ids"]
             text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                           chat_template=chat_template)
+                                           chat_template=chat_template, tools=tools)
             prompts.append({"prompt": text, "prompt_token_ids": list(ids)})
         return self.generate(prompts, sampling_params, use_tqdm)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 import math
+import json
 from dataclasses import dataclass, field
 
 GREEDY_EPS = 1e-5  # temperatures below this are greedy (the sampler takes the argmax)
@@ -18,6 +19,77 @@ class RequestOutputKind(enum.Enum):
     CUMULATIVE = 0  # after every step, everything generated so far
     DELTA = 1       # after every step, only what is new (streaming: constant work per token)
     FINAL_ONLY = 2  # once, when the request finishes (offline generate)
+
+
+CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """vLLM's structured outputs: exactly one constraint (a JSON schema, a regex, a list of
+    choices, a Lark/EBNF grammar, or any JSON object) that every output must satisfy. The
+    grammar is compiled once per (constraint, tokenizer) and applied as a token mask."""
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+    # the request field error messages name ("response_format" when the server built it)
+    field_name: str = field(default="structured_outputs", repr=False, compare=False)
+
+    def __post_init__(self):
+        f = self.field_name
+        given = [k for k in CONSTRAINTS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"{f} must set exactly one of json, regex, choice, grammar or "
+                             f"json_object, got {given or 'none'}")
+        if self.structural_tag is not None:
+            raise ValueError(f"{f}.structural_tag is not supported")
+        if self.json is not None:
+            if isinstance(self.json, str):
+                try:
+                    self.json = json.loads(self.json)
+                except ValueError as e:
+                    raise ValueError(f"{f}.json is not valid JSON: {e}") from None
+            if not isinstance(self.json, (dict, bool)):
+                raise ValueError(f"{f}.json must be a JSON schema (an object), got "
+                                 f"{type(self.json).__name__}")
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ValueError(f"{f}.{name} must be a non-empty string")
+        if self.choice is not None:
+            if (not isinstance(self.choice, (list, tuple)) or not self.choice
+                    or not all(isinstance(c, str) for c in self.choice)):
+                raise ValueError(f"{f}.choice must be a non-empty list of strings")
+            self.choice = list(self.choice)
+        if self.json_object not in (None, True, False):
+            raise ValueError(f"{f}.json_object must be a boolean")
+        if self.whitespace_pattern is not None:
+            if not isinstance(self.whitespace_pattern, str):
+                raise ValueError(f"{f}.whitespace_pattern must be a string")
+            if self.json is None and not self.json_object:
+                raise ValueError(f"{f}.whitespace_pattern applies to json and json_object only")
+            if self.disable_any_whitespace:
+                raise ValueError(f"{f}.whitespace_pattern and disable_any_whitespace "
+                                 "contradict each other")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in CONSTRAINTS if getattr(self, k) not in (None, False))
+
+    def key(self) -> tuple:
+        """What the compiled grammar depends on (the tokenizer is the engine's): the cache key.
+        A schema's property order matters (properties are generated in that order)."""
+        spec = getattr(self, self.kind)
+        if not isinstance(spec, str):
+            spec = json.dumps(spec, separators=(",", ":"))
+        return (self.kind, spec, self.disable_any_whitespace, self.disable_additional_properties,
+                self.whitespace_pattern)
 
 
 @dataclass
@@ -46,6 +118,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     _stop: list[str] = field(default_factory=list, init=False, repr=False)
 
@@ -116,6 +189,13 @@ class SamplingParams:
             self.allowed_token_ids = list(self.allowed_token_ids)
             if not self.allowed_token_ids or any(not _is_int(t) or t < 0 for t in self.allowed_token_ids):
                 raise ValueError("allowed_token_ids must be a non-empty list of token ids")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise ValueError("structured_outputs must be a StructuredOutputsParams, got "
+                                 f"{type(self.structured_outputs).__name__}")
+            if self.min_tokens > 0:
+                raise ValueError("min_tokens cannot be combined with structured_outputs: the "
+                                 "grammar decides where the output may end")
         if self.temperature < GREEDY_EPS:
             # greedy: the sampling knobs do not apply
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0

@@ -96,22 +96,26 @@ def _prec(dtype, interpret: bool):
     return jax.lax.Precision.HIGHEST if interpret else jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
 
 
-def _scores(q, k, scale, soft_cap, prec):
-    s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=prec,
-                            preferred_element_type=jnp.float32) * scale
+def _scores(q, k, scale, soft_cap, prec, k_scale=None):
+    """k_scale [keys]: a quantized cache's per-key scale, applied to the scores."""
+    s = jax.lax.dot_general(q, k.astype(q.dtype), (((1,), (1,)), ((), ())), precision=prec,
+                            preferred_element_type=jnp.float32)
+    s = s * (scale if k_scale is None else scale * k_scale[None, :])
     if soft_cap is not None:
         s = soft_cap * jnp.tanh(s / soft_cap)
     return s
 
 
-def _online(carry, s, v, prec):
-    """One online-softmax step over a chunk of keys (masked scores are already _NEG)."""
+def _online(carry, s, v, prec, dtype, v_scale=None):
+    """One online-softmax step over a chunk of keys (masked scores are already _NEG);
+    v_scale [keys]: a quantized cache's per-value scale, folded into the probabilities."""
     o, m, l = carry
     m_new = jnp.maximum(m, s.max(axis=-1))
     p = jnp.exp(s - m_new[:, None])
     corr = jnp.exp(m - m_new)
-    pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=prec,
-                             preferred_element_type=jnp.float32)
+    pw = p if v_scale is None else p * v_scale[None, :]
+    pv = jax.lax.dot_general(pw.astype(dtype), v.astype(dtype), (((1,), (0,)), ((), ())),
+                             precision=prec, preferred_element_type=jnp.float32)
     return o * corr[:, None] + pv, m_new, l * corr + p.sum(axis=-1)
 
 
@@ -120,9 +124,18 @@ def flat_pages(kv_cache: jax.Array, block_size: int) -> jax.Array:
     return kv_cache.reshape(L * two * KVH * (slots // block_size), block_size, D)
 
 
+def _page_scales(scales_ref, k_pages, v_pages, chunk):
+    """The per-token scales of a quantized cache's K and V pages (None, None otherwise)."""
+    if scales_ref is None:
+        return None, None
+    return scales_ref[k_pages].reshape(chunk), scales_ref[v_pages].reshape(chunk)
+
+
 # decode
-def _decode_kernel(layer_ref, q_ref, pages_ref, table_ref, len_ref, lo_ref, o_ref, m_ref, l_ref,
-                   *, kv_heads, blocks, block_size, pages_per_split, pps, scale, soft_cap, prec):
+def _decode_kernel(layer_ref, q_ref, pages_ref, *refs, kv_heads, blocks, block_size,
+                   pages_per_split, pps, scale, soft_cap, prec, quantized):
+    scales_ref, refs = (refs[0], refs[1:]) if quantized else (None, refs)
+    table_ref, len_ref, lo_ref, o_ref, m_ref, l_ref = refs
     h = pl.program_id(1)
     split = pl.program_id(2)
     rows, D = q_ref.shape
@@ -142,10 +155,11 @@ def _decode_kernel(layer_ref, q_ref, pages_ref, table_ref, len_ref, lo_ref, o_re
         ids = table_ref[pl.ds(c * pps, pps)]
         k = pages_ref[k_base + ids].reshape(chunk, D)
         v = pages_ref[v_base + ids].reshape(chunk, D)
-        s = _scores(q, k, scale, soft_cap, prec)
+        ks, vs = _page_scales(scales_ref, k_base + ids, v_base + ids, chunk)
+        s = _scores(q, k, scale, soft_cap, prec, ks)
         pos = (first + c * pps) * block_size + jax.lax.broadcasted_iota(jnp.int32, (rows, chunk), 1)
         s = jnp.where((pos < length) & (pos >= lo), s, _NEG)
-        return _online(carry, s, v, prec)
+        return _online(carry, s, v, prec, q.dtype, vs)
 
     init = (jnp.zeros((rows, D), jnp.float32), jnp.full((rows,), _NEG, jnp.float32),
             jnp.zeros((rows,), jnp.float32))
@@ -160,7 +174,7 @@ def _decode_kernel(layer_ref, q_ref, pages_ref, table_ref, len_ref, lo_ref, o_re
 
 def paged_decode(q, pages, layer, tables, lens, lo, *, kv_heads, blocks, block_size, scale,
                  soft_cap=None, k_splits=8, keys=None, num_warps=DECODE_WARPS,
-                 interpret=False):
+                 interpret=False, page_scales=None):
     """One query token per sequence against its context, split-K over the context.
 
     q: [S, KVH, G, D]; pages: flat_pages(cache); layer: [1] i32; tables: [S, MB];
@@ -174,10 +188,12 @@ def paged_decode(q, pages, layer, tables, lens, lo, *, kv_heads, blocks, block_s
     per_split = width // k_splits
     tables = jnp.pad(tables, ((0, 0), (0, width - tables.shape[1])))
     qp = jnp.pad(q, ((0, 0), (0, 0), (0, rows - G), (0, 0)))
+    quantized = page_scales is not None
     kernel = functools.partial(
         _decode_kernel, kv_heads=KVH, blocks=blocks, block_size=block_size,
         pages_per_split=per_split, pps=pps, scale=scale, soft_cap=soft_cap,
-        prec=_prec(q.dtype, interpret))
+        prec=_prec(q.dtype, interpret), quantized=quantized)
+    scales = [pl.BlockSpec(page_scales.shape, lambda s, h, k: (0, 0))] if quantized else []
     o, m, l = pl.pallas_call(
         kernel,
         grid=(S, KVH, k_splits),
@@ -185,6 +201,7 @@ def paged_decode(q, pages, layer, tables, lens, lo, *, kv_heads, blocks, block_s
             pl.BlockSpec((1,), lambda s, h, k: (0,)),                           # layer
             pl.BlockSpec((None, None, rows, D), lambda s, h, k: (s, h, 0, 0)),  # q
             pl.BlockSpec(pages.shape, lambda s, h, k: (0, 0, 0)),               # pages
+            *scales,                                                            # their scales
             pl.BlockSpec((None, per_split), lambda s, h, k: (s, k)),            # table
             pl.BlockSpec((1,), lambda s, h, k: (s,)),                           # lens
             pl.BlockSpec((1,), lambda s, h, k: (s,)),                           # lo
@@ -200,7 +217,7 @@ def paged_decode(q, pages, layer, tables, lens, lo, *, kv_heads, blocks, block_s
         interpret=interpret,
         compiler_params=None if interpret else _triton(num_warps),
         name="jaxllm_paged_decode",
-    )(layer, qp, pages, tables, lens, lo)
+    )(layer, qp, pages, *([page_scales] if quantized else []), tables, lens, lo)
     # combine the splits by their log-sum-exp
     m_all = m.max(axis=0)
     w = jnp.exp(m - m_all[None])
@@ -210,8 +227,10 @@ def paged_decode(q, pages, layer, tables, lens, lo, *, kv_heads, blocks, block_s
 
 
 # prefill tiles
-def _tile_kernel(layer_ref, q_ref, pages_ref, table_ref, meta_ref, o_ref,
-                 *, kv_heads, blocks, block_size, pps, window, scale, soft_cap, prec):
+def _tile_kernel(layer_ref, q_ref, pages_ref, *refs, kv_heads, blocks, block_size, pps, window,
+                 scale, soft_cap, prec, quantized):
+    scales_ref, refs = (refs[0], refs[1:]) if quantized else (None, refs)
+    table_ref, meta_ref, o_ref = refs
     h = pl.program_id(1)
     qt, gp, D = o_ref.shape
     rows = qt * gp
@@ -230,12 +249,13 @@ def _tile_kernel(layer_ref, q_ref, pages_ref, table_ref, meta_ref, o_ref,
         ids = table_ref[pl.ds(c * pps, pps)]
         k = pages_ref[k_base + ids].reshape(chunk, D)
         v = pages_ref[v_base + ids].reshape(chunk, D)
-        s = _scores(q, k, scale, soft_cap, prec)
+        ks, vs = _page_scales(scales_ref, k_base + ids, v_base + ids, chunk)
+        s = _scores(q, k, scale, soft_cap, prec, ks)
         k_pos = c * chunk + jax.lax.broadcasted_iota(jnp.int32, (rows, chunk), 1)
         ok = k_pos <= q_pos
         if window is not None:
             ok &= k_pos > q_pos - window
-        return _online(carry, jnp.where(ok, s, _NEG), v, prec)
+        return _online(carry, jnp.where(ok, s, _NEG), v, prec, q.dtype, vs)
 
     init = (jnp.zeros((rows, D), jnp.float32), jnp.full((rows,), _NEG, jnp.float32),
             jnp.zeros((rows,), jnp.float32))
@@ -248,7 +268,7 @@ def _tile_kernel(layer_ref, q_ref, pages_ref, table_ref, meta_ref, o_ref,
 
 def paged_prefill_tiles(q, pages, layer, tables, meta, *, kv_heads, blocks, block_size, qt,
                         scale, window=None, soft_cap=None, keys=None,
-                        num_warps=PREFILL_WARPS, interpret=False):
+                        num_warps=PREFILL_WARPS, interpret=False, page_scales=None):
     """q: [KVH, T, Gp, D] queries by KV head (padded with qt rows at the end);
     tables: [W, MB] the block-table row of each tile's sequence; meta: [W, 4] (first token,
     its position, valid rows, unused). Returns [W, KVH, qt, Gp, D] f32."""
@@ -257,9 +277,12 @@ def paged_prefill_tiles(q, pages, layer, tables, meta, *, kv_heads, blocks, bloc
     pps = pages_per_step(block_size, keys or keys_per_step(D, pages.dtype))
     width = max(next_pow2(tables.shape[1]), pps)
     tables = jnp.pad(tables, ((0, 0), (0, width - tables.shape[1])))
+    quantized = page_scales is not None
     kernel = functools.partial(
         _tile_kernel, kv_heads=KVH, blocks=blocks, block_size=block_size, pps=pps,
-        window=window, scale=scale, soft_cap=soft_cap, prec=_prec(q.dtype, interpret))
+        window=window, scale=scale, soft_cap=soft_cap, prec=_prec(q.dtype, interpret),
+        quantized=quantized)
+    scales = [pl.BlockSpec(page_scales.shape, lambda w, h: (0, 0))] if quantized else []
     return pl.pallas_call(
         kernel,
         grid=(W, KVH),
@@ -267,6 +290,7 @@ def paged_prefill_tiles(q, pages, layer, tables, meta, *, kv_heads, blocks, bloc
             pl.BlockSpec((1,), lambda w, h: (0,)),                      # layer
             pl.BlockSpec((None, Tp, gp, D), lambda w, h: (h, 0, 0, 0)),  # q of this KV head
             pl.BlockSpec(pages.shape, lambda w, h: (0, 0, 0)),          # pages
+            *scales,                                                    # their scales
             pl.BlockSpec((None, width), lambda w, h: (w, 0)),           # the tile's table row
             pl.BlockSpec((None, 4), lambda w, h: (w, 0)),               # the tile's meta
         ],
@@ -275,7 +299,7 @@ def paged_prefill_tiles(q, pages, layer, tables, meta, *, kv_heads, blocks, bloc
         interpret=interpret,
         compiler_params=None if interpret else _triton(num_warps),
         name="jaxllm_paged_prefill",
-    )(layer, q, pages, tables, meta)
+    )(layer, q, pages, *([page_scales] if quantized else []), tables, meta)
 
 
 def ragged_paged_attention(q, kv_cache, layer, md, scale, sliding_window=None, soft_cap=None,
@@ -289,13 +313,18 @@ def ragged_paged_attention(q, kv_cache, layer, md, scale, sliding_window=None, s
     """
     tuning = tuning or {}
     T, H, D = q.shape
-    L, _, KVH, slots, _ = kv_cache.shape
+    # a quantized cache (jaxllm.quantization.kv.QuantizedKV): int8 / fp8 values and a scale
+    # per token and KV head, which the kernels apply to the scores and the probabilities
+    quantized = hasattr(kv_cache, "scale")
+    data = kv_cache.data if quantized else kv_cache
+    L, _, KVH, slots, _ = data.shape
     G = H // KVH
     bs = md.block_size
     blocks = slots // bs
-    pages = flat_pages(kv_cache, bs)
+    pages = flat_pages(data, bs)
+    page_scales = kv_cache.scale.reshape(-1, bs) if quantized else None
     layer = jnp.reshape(layer, (1,)).astype(jnp.int32)
-    dtype = kv_cache.dtype
+    dtype = q.dtype if quantized else data.dtype  # what the dots compute in
     qg = q.astype(dtype).reshape(T, KVH, G, D)
     S = md.seq_lens.shape[0]
     if k_splits is None:
@@ -308,7 +337,8 @@ def ragged_paged_attention(q, kv_cache, layer, md, scale, sliding_window=None, s
           else jnp.maximum(q_pos - sliding_window + 1, 0))
     dec = paged_decode(qg[last], pages, layer, md.block_tables, md.seq_lens, lo, kv_heads=KVH,
                        blocks=blocks, block_size=bs, scale=scale, soft_cap=soft_cap,
-                       k_splits=k_splits, interpret=interpret, **tuning.get("decode", {}))
+                       k_splits=k_splits, interpret=interpret, page_scales=page_scales,
+                       **tuning.get("decode", {}))
     dst = jnp.where(md.seq_lens > 0, last, T)  # padded rows write nowhere
     out = jnp.full((T, KVH, G, D), jnp.nan if poison else 0.0, jnp.float32)
     out = out.at[dst].set(dec, mode="drop")
@@ -330,7 +360,8 @@ def ragged_paged_attention(q, kv_cache, layer, md, scale, sliding_window=None, s
         tiles = paged_prefill_tiles(qk, pages, layer, md.block_tables[md.tile_seq], meta,
                                     kv_heads=KVH, blocks=blocks, block_size=bs, qt=qt,
                                     scale=scale, window=sliding_window, soft_cap=soft_cap,
-                                    interpret=interpret, **tuning.get("prefill", {}))
+                                    interpret=interpret, page_scales=page_scales,
+                                    **tuning.get("prefill", {}))
         # each token of a tile goes back to its place in the flat layout
         tok = start[:, None] + jnp.arange(qt)[None, :]                    # [W, qt]
         ok = jnp.arange(qt)[None, :] < nrows[:, None]

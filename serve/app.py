@@ -28,6 +28,7 @@ from serve.errors import APIError, bad_request, check_json, error_response
 from serve.metrics import Metrics
 from serve.openapi import openapi_document
 from serve.streaming import Outputs
+from serve.tool_parsers import get_parser
 
 logger = logging.getLogger("jaxllm")
 
@@ -38,6 +39,9 @@ class ServerConfig:
     api_key: str | None = None
     max_queue_len: int | None = None
     log_interval: float = 10.0
+    # tool_choice "auto": how the model writes tool calls (--tool-call-parser, with
+    # --enable-auto-tool-choice); None: "auto" is refused
+    tool_call_parser: str | None = None
 
 
 class OpenAIServer:
@@ -46,6 +50,8 @@ class OpenAIServer:
         """on_fatal: called on the event loop when the engine fails (to start or later);
         `jaxllm serve` then stops the server and exits 1."""
         self.cfg = server_config
+        self.tool_parser = (get_parser(server_config.tool_call_parser)
+                            if server_config.tool_call_parser else None)
         self.metrics = Metrics(server_config.served_model_name)
         self.engine = AsyncEngine(engine_config, on_step=self.metrics.on_step,
                                   on_fail=self._engine_failed)

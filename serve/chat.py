@@ -10,10 +10,50 @@ from starlette.responses import JSONResponse
 
 from jaxllm.engine.async_engine import EngineDeadError
 from serve import beam
-from serve.errors import bad_request
-from serve.protocol import ChatCompletionRequest
+from serve.errors import APIError, bad_request
+from serve.protocol import ChatCompletionRequest, NamedToolChoice
 from serve.streaming import (DONE, add_usage, collect, event_stream, new_usage, sse, sse_error,
                              usage_of)
+from serve.tool_parsers import REQUIRED, ToolCall, new_call_id
+
+
+class _Tools:
+    """How a request's tool calls come out: forced to one named function (the whole output is
+    its arguments), forced to the array `required` produces, or parsed from the model's own
+    syntax (`auto`, with the server's parser)."""
+
+    def __init__(self, server, body: ChatCompletionRequest):
+        choice = body.effective_tool_choice
+        self.named = body.forced_tool().function.name if isinstance(choice, NamedToolChoice) else None
+        self.parser = None
+        if choice == "required":
+            self.parser = REQUIRED
+        elif choice == "auto" and body.tools:
+            if server.tool_parser is None:
+                raise APIError(400, '"auto" tool choice requires --enable-auto-tool-choice and '
+                               "--tool-call-parser to be set", param="tool_choice")
+            self.parser = server.tool_parser
+        self.parallel = body.parallel_tool_calls
+
+    @property
+    def active(self) -> bool:
+        return self.named is not None or self.parser is not None
+
+    def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+        """A whole output as an assistant message, and its finish reason."""
+        if self.named is not None:
+            # as OpenAI: a named tool_choice finishes with "stop"
+            return ({"role": "assistant", "content": None,
+                     "tool_calls": [ToolCall(self.named, text).to_openai()]}, finish_reason)
+        content, calls = self.parser.extract(text) if self.parser else (text, [])
+        if not self.parallel:
+            calls = calls[:1]
+        msg = {"role": "assistant", "content": content}
+        if calls:
+            msg["tool_calls"] = [c.to_openai() for c in calls]
+            if finish_reason == "stop":
+                finish_reason = "tool_calls"
+        return msg, finish_reason
 
 
 async def create(server, request: Request):
@@ -21,9 +61,11 @@ async def create(server, request: Request):
     engine = server.ready_engine()
     server.require_tokenizer()
     try:
+        tools = _Tools(server, body)
         messages = [m.plain() for m in body.messages]
         ids = await engine.render_chat(messages, body.add_generation_prompt,
-                                       body.continue_final_message, body.chat_template)
+                                       body.continue_final_message, body.chat_template,
+                                       [t.template_dict() for t in body.tools] if body.tools else None)
     except ValueError as e:
         raise bad_request(e) from None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -36,19 +78,21 @@ async def create(server, request: Request):
     server.admit()
     gen = server.run(rid, req, body.priority)
     if body.stream:
-        return event_stream(_stream(server, rid, body, gen))
+        return event_stream(_stream(server, rid, body, gen, tools))
     (out,) = await collect(request, [gen])
     usage = add_usage(new_usage(), *usage_of(out))
     k = body.top_logprobs or 0
-    choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                "logprobs": _logprobs(engine, c.token_ids, c.logprobs, k) if body.logprobs else None,
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-               for c in out.outputs]
+    choices = []
+    for c in out.outputs:
+        message, finish_reason = tools.message(c.text, c.finish_reason)
+        choices.append({"index": c.index, "message": message,
+                        "logprobs": _logprobs(engine, c.token_ids, c.logprobs, k) if body.logprobs else None,
+                        "finish_reason": finish_reason, "stop_reason": c.stop_reason})
     return JSONResponse({"id": rid, "object": "chat.completion", "created": int(time.time()),
                          "model": server.cfg.served_model_name, "choices": choices, "usage": usage})
 
 
-async def _stream(server, rid, body, gen):
+async def _stream(server, rid, body, gen, tools: _Tools):
     engine = server.engine
     created, model = int(time.time()), server.cfg.served_model_name
     include_usage = body.stream_options is not None and body.stream_options.include_usage
@@ -64,13 +108,20 @@ async def _stream(server, rid, body, gen):
             yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                           "logprobs": None, "finish_reason": None}])
         out = None
+        streams = {}  # per choice: its tool-call stream
         async for out in gen:
             for c in out.outputs:  # only the choices with something new
                 completion_tokens += len(c.token_ids)
                 finished = c.finish_reason is not None
                 lp = _logprobs(engine, c.token_ids, c.logprobs, k) if body.logprobs else None
-                yield chunk([{"index": c.index, "delta": {"content": c.text} if c.text else {},
-                              "logprobs": lp, "finish_reason": c.finish_reason,
+                delta, finish_reason = {"content": c.text} if c.text else {}, c.finish_reason
+                if tools.active:
+                    s = streams.get(c.index)
+                    if s is None:
+                        s = streams[c.index] = _ToolDeltas(tools)
+                    delta, finish_reason = s.delta(c.text, finish_reason)
+                yield chunk([{"index": c.index, "delta": delta,
+                              "logprobs": lp, "finish_reason": finish_reason,
                               "stop_reason": c.stop_reason if finished else None}])
         if include_usage and out is not None:
             yield chunk([], add_usage(new_usage(), len(out.prompt_token_ids), completion_tokens,
@@ -80,6 +131,41 @@ async def _stream(server, rid, body, gen):
         yield sse_error(e)
     finally:
         await gen.aclose()
+
+
+class _ToolDeltas:
+    """One streamed choice's text as OpenAI's deltas: content, and tool calls as
+    {index, id, type, function: {name, arguments: ""}} then pieces of their arguments."""
+
+    def __init__(self, tools: _Tools):
+        self.tools = tools
+        self.stream = tools.parser.stream() if tools.parser is not None else None
+        self.id = new_call_id()
+        self.started = False
+        self.num_calls = 0
+
+    def delta(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+        tools, out = self.tools, {}
+        if tools.named is not None:
+            calls = []
+            if not self.started:
+                self.started = True
+                calls.append({"index": 0, "id": self.id, "type": "function",
+                              "function": {"name": tools.named, "arguments": ""}})
+            if text:
+                calls.append({"index": 0, "function": {"arguments": text}})
+            return ({"tool_calls": calls} if calls else {}), finish_reason
+        content, calls = self.stream.feed(text, final=finish_reason is not None)
+        if not tools.parallel:
+            calls = [c for c in calls if c["index"] == 0]
+        self.num_calls = max([self.num_calls] + [c["index"] + 1 for c in calls])
+        if content:
+            out["content"] = content
+        if calls:
+            out["tool_calls"] = calls
+        if finish_reason == "stop" and self.num_calls:
+            finish_reason = "tool_calls"
+        return out, finish_reason
 
 
 def _logprobs(engine, token_ids, logprobs, k: int) -> dict:

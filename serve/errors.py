@@ -33,7 +33,8 @@ def bad_request(e: ValueError) -> APIError:
 _FIELDS = {"max_tokens", "n", "best_of", "temperature", "top_p", "top_k", "min_p", "seed",
            "stop_token_ids", "stop", "presence_penalty", "frequency_penalty", "repetition_penalty",
            "logit_bias", "allowed_token_ids", "bad_words", "prompt_logprobs", "logprobs",
-           "min_tokens", "prompt", "cache_salt", "beam_width", "messages"}
+           "min_tokens", "prompt", "cache_salt", "beam_width", "messages", "response_format",
+           "structured_outputs", "tools", "tool_choice", "parallel_tool_calls"}
 
 
 def field_of(message: str) -> str | None:

@@ -22,8 +22,9 @@ async def tokenize(server, request: Request):
     server.require_tokenizer()
     try:
         if body.messages is not None:
+            tools = [t.template_dict() for t in body.tools] if body.tools else None
             ids = await engine.render_chat([m.plain() for m in body.messages],
-                                           body.add_generation_prompt, False, None)
+                                           body.add_generation_prompt, False, None, tools)
         elif body.prompt is not None:
             ids = await engine.encode(body.prompt, body.add_special_tokens)
         else:

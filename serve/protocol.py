@@ -7,25 +7,22 @@ them in a warning, as vLLM does.
 """
 from __future__ import annotations
 
+import json
 from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from jaxllm.sampling_params import SamplingParams
+from jaxllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 MAX_N = 128  # OpenAI's cap on n (and here on best_of): choices of one request
 MAX_TOP_LOGPROBS = 20
 
 # field -> the values that mean "not used" (a request may send those)
 NOT_IMPLEMENTED: dict[str, tuple] = {
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
-    "parallel_tool_calls": (None,),
-    "functions": (None, []),
+    "functions": (None, []),          # OpenAI's deprecated names for tools and tool_choice
     "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}),
     "truncate_prompt_tokens": (None,),
-    "structured_outputs": (None,),
+    # vLLM's removed spellings of structured_outputs
     "guided_json": (None,),
     "guided_regex": (None,),
     "guided_choice": (None,),
@@ -69,6 +66,45 @@ class StreamOptions(_Model):
     continuous_usage_stats: bool = False
 
 
+class StructuredOutputs(_Model):
+    """vLLM's `structured_outputs`: one constraint of json, regex, choice, grammar (Lark or
+    EBNF) or json_object."""
+    json_: dict | bool | str | None = Field(None, alias="json")  # `json` is a BaseModel method
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+
+    def to_params(self) -> StructuredOutputsParams:
+        return StructuredOutputsParams(**{k.rstrip("_"): getattr(self, k)
+                                          for k in type(self).model_fields})
+
+
+class JsonSchemaFormat(_Model):
+    name: str = Field(max_length=64)
+    description: str | None = None
+    schema_: dict | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Model):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def to_params(self) -> StructuredOutputsParams | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True, field_name="response_format")
+        if self.json_schema is None or self.json_schema.schema_ is None:
+            raise ValueError("response_format.json_schema.schema is required with type json_schema")
+        return StructuredOutputsParams(json=self.json_schema.schema_, field_name="response_format")
+
+
 class _Sampling(_Body):
     """Fields both endpoints share, with OpenAI's and vLLM's names."""
 
@@ -102,6 +138,18 @@ class _Sampling(_Body):
     length_penalty: float = 1.0
     priority: int = 0
     cache_salt: str | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """The request's structured-output constraint (ValueError naming a bad field)."""
+        if self.response_format is not None and self.structured_outputs is not None:
+            fmt = self.response_format.type
+            if fmt != "text":
+                raise ValueError("response_format and structured_outputs cannot both be set")
+        if self.structured_outputs is not None:
+            return self.structured_outputs.to_params()
+        return self.response_format.to_params() if self.response_format is not None else None
 
     def sampling_kwargs(self) -> dict[str, Any]:
         kw = dict(n=self.n, best_of=self.best_of, presence_penalty=self.presence_penalty,
@@ -111,7 +159,8 @@ class _Sampling(_Body):
                   spaces_between_special_tokens=self.spaces_between_special_tokens,
                   include_stop_str_in_output=self.include_stop_str_in_output,
                   logit_bias=self.logit_bias, allowed_token_ids=self.allowed_token_ids,
-                  bad_words=self.bad_words, prompt_logprobs=self.prompt_logprobs)
+                  bad_words=self.bad_words, prompt_logprobs=self.prompt_logprobs,
+                  structured_outputs=self.constraint())
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
             value = getattr(self, name)
             if value is not None:
@@ -135,7 +184,8 @@ BEAM_SEARCH_UNSUPPORTED = (
     "best_of", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "seed", "presence_penalty",
     "frequency_penalty", "repetition_penalty", "logit_bias", "allowed_token_ids", "bad_words",
     "min_tokens", "logprobs", "top_logprobs", "prompt_logprobs", "echo", "skip_special_tokens",
-    "spaces_between_special_tokens", "include_stop_str_in_output")
+    "spaces_between_special_tokens", "include_stop_str_in_output", "response_format",
+    "structured_outputs", "tools")
 
 
 class CompletionRequest(_Sampling):
@@ -154,17 +204,31 @@ class ContentPart(_Model):
     text: str | None = None
 
 
+class FunctionCall(_Model):
+    name: str
+    arguments: str
+
+
+class ToolCallMessage(_Model):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Model):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    # tool calling is not implemented yet: a request carrying these is refused by the server
-    tool_calls: list[Any] | None = None
+    tool_calls: list[ToolCallMessage] | None = None
     tool_call_id: str | None = None
 
     def plain(self) -> dict:
-        if self.tool_calls or self.tool_call_id is not None or self.role == "tool":
-            raise ValueError("messages: tool messages and tool_calls are not supported yet")
+        """The message as chat templates take it (tool calls' arguments as objects, as HF
+        templates expect)."""
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("messages: only assistant messages carry tool_calls")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("messages: a tool message needs tool_call_id")
         content = self.content
         if isinstance(content, list):
             kinds = {p.type for p in content}
@@ -175,7 +239,48 @@ class ChatMessage(_Model):
         msg = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
         if self.name is not None:
             msg["name"] = self.name
+        if self.tool_call_id is not None:
+            msg["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            msg["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                for c in self.tool_calls]
         return msg
+
+
+def _arguments(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+class FunctionDefinition(_Model):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(_Model):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+    def template_dict(self) -> dict:
+        f = self.function
+        d = {"name": f.name, "parameters": f.parameters or {"type": "object", "properties": {}}}
+        if f.description is not None:
+            d["description"] = f.description
+        return {"type": "function", "function": d}
+
+
+class FunctionName(_Model):
+    name: str
+
+
+class NamedToolChoice(_Model):
+    type: Literal["function"] = "function"
+    function: FunctionName
 
 
 class ChatCompletionRequest(_Sampling):
@@ -187,6 +292,41 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: str | None = None
+    tools: list[Tool] | None = None
+    # OpenAI's default: "auto" when tools are given, "none" otherwise
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    @property
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
+    def forced_tool(self) -> Tool | None:
+        """The function a named tool_choice forces."""
+        choice = self.tool_choice
+        if not isinstance(choice, NamedToolChoice):
+            return None
+        for t in self.tools or ():
+            if t.function.name == choice.function.name:
+                return t
+        raise ValueError(f"tool_choice names the function {choice.function.name!r}, which is "
+                         "not in tools")
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        choice = self.effective_tool_choice
+        forced = isinstance(choice, NamedToolChoice) or choice == "required"
+        if not forced:
+            return super().constraint()
+        if super().constraint() is not None:
+            raise ValueError("tool_choice: a forced tool call cannot be combined with "
+                             "response_format or structured_outputs")
+        if isinstance(choice, NamedToolChoice):
+            schema = self.forced_tool().template_dict()["function"]["parameters"]
+        else:
+            schema = tools_schema(self.tools, self.parallel_tool_calls)
+        return StructuredOutputsParams(json=schema, field_name="tool_choice")
 
     def to_sampling_params(self, max_tokens: int) -> SamplingParams:
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
@@ -195,13 +335,46 @@ class ChatCompletionRequest(_Sampling):
     def check(self) -> tuple[str, str] | None:
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs", "top_logprobs needs logprobs set to true"
+        choice = self.tool_choice
+        if choice is not None and choice != "none" and not self.tools:
+            return "tool_choice", "tool_choice needs tools"
+        if self.tools:
+            names = [t.function.name for t in self.tools]
+            if len(set(names)) != len(names):
+                return "tools", "tools: function names must be unique"
         return super().check()
+
+
+def tools_schema(tools: list[Tool], parallel: bool) -> dict:
+    """tool_choice "required": a JSON array of one call or more, each {"name": one of the
+    functions, "parameters": that function's arguments}. Shared $defs move to the top."""
+    defs: dict = {}
+    alternatives = []
+    for t in tools:
+        params = dict(t.template_dict()["function"]["parameters"])
+        own = params.pop("$defs", {})
+        if not isinstance(own, dict):
+            raise ValueError(f"tools: $defs of {t.function.name!r} must be an object")
+        for name, d in own.items():
+            if defs.setdefault(name, d) != d:
+                raise ValueError(f"tools: the $defs entry {name!r} differs between functions")
+        alternatives.append({"type": "object", "properties": {
+            "name": {"type": "string", "enum": [t.function.name]}, "parameters": params},
+            "required": ["name", "parameters"], "additionalProperties": False})
+    schema = {"type": "array", "minItems": 1,
+              "items": alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives}}
+    if not parallel:
+        schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
+    return schema
 
 
 class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None  # rendered by the chat template, as in a chat request
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 

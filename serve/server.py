@@ -44,7 +44,7 @@ def served_name(model: str | None, given: str | None) -> str:
 
 def run_server(engine_config: EngineConfig, host: str, port: int, served_model_name: str | None,
                api_key: str | None, max_queue_len: int | None, shutdown_timeout: float,
-               log_interval: float) -> int:
+               log_interval: float, tool_call_parser: str | None = None) -> int:
     if engine_config.process_id != 0:
         # other processes serve nothing: they run process 0's steps until it shuts down
         from jaxllm.engine.llm_engine import LLMEngine
@@ -52,7 +52,8 @@ def run_server(engine_config: EngineConfig, host: str, port: int, served_model_n
         return 0
     name = served_name(engine_config.model, served_model_name)
     server = OpenAIServer(engine_config, ServerConfig(
-        name, api_key or os.environ.get("JAXLLM_API_KEY"), max_queue_len, log_interval))
+        name, api_key or os.environ.get("JAXLLM_API_KEY"), max_queue_len, log_interval,
+        tool_call_parser))
     config = uvicorn.Config(server.app(), host=host, port=port, log_level="info",
                             timeout_graceful_shutdown=shutdown_timeout, lifespan="on")
     logger.info("serving %s on http://%s:%d", name, host, port)

@@ -86,7 +86,8 @@ def write_gguf(model, path: str, tokenizer_from: str | None = None,
     def put(name, arr):
         arr = np.ascontiguousarray(arr, np.float32)
         if arr.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
-            w.add_tensor(name, gguf.quants.quantize(arr, qtype), raw_shape=arr.shape, raw_dtype=qtype)
+            # the writer takes the quantized bytes' shape and works out the tensor's from it
+            w.add_tensor(name, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(name, arr)
 

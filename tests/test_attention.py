@@ -57,3 +57,37 @@ def test_soft_cap():
 def test_gqa_ratio_three_head_dim_128():
     q, cache, layer, md = make_case(CASES["mixed"], heads=9, kv_heads=3, head_dim=128, block_size=8)
     _check(q, cache, layer, md)
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+def test_quantized_kv_cache(kv_dtype, backend):
+    """int8 / fp8 K and V with a scale per token and head, written through write_kv: both
+    attention paths equal the reference on the dequantized cache, and stay within the format's
+    rounding of the reference on the float cache."""
+    from jaxllm.layers.attention import write_kv
+    from jaxllm.quantization import kv as kvq
+    from pallas_kernels.ragged_paged_attention import q_tile, ragged_paged_attention
+    q, cache, layer, md = make_case(CASES["mixed"] + [(130, 40)], kv_heads=2, seed=11,
+                                    qt=q_tile(4) if backend == "pallas" else None)
+    L, _, KVH, slots, D = cache.shape
+    qcache = kvq.make_cache(cache.shape, jnp.float32, kv_dtype)
+    everything = jnp.arange(slots)
+    for i in range(L):  # every slot of every layer, as the engine's steps would have
+        qcache = write_kv(qcache, i, cache[i, 0].swapaxes(0, 1), cache[i, 1].swapaxes(0, 1), everything)
+    deq = kvq.dequantize(qcache)
+    step = 1 / 127 if kv_dtype == "int8" else 32 / 448  # int8 step / e4m3 spacing at its top
+    amax = np.abs(np.asarray(cache)).max(-1, keepdims=True)
+    assert np.all(np.abs(np.asarray(deq) - np.asarray(cache)) <= amax * step * 0.51 + 1e-7)
+    md = jax.tree.map(jnp.asarray, md)
+    scale = D ** -0.5
+    if backend == "xla":
+        got = jax.jit(paged_attention_xla, static_argnums=(4,))(q, qcache, layer, md, scale)
+    else:
+        got = ragged_paged_attention(q, qcache, layer, md, scale, interpret=True)
+    ref = lambda c: ragged_paged_attention_ref(q, c, layer, md.positions, md.token_seq_ids,
+                                               md.block_tables, md.block_size, scale)
+    real = int(md.query_start_loc[-1])
+    np.testing.assert_allclose(np.asarray(got)[:real], np.asarray(ref(deq))[:real], rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(got)[:real], np.asarray(ref(cache))[:real],
+                               atol=0.03 if kv_dtype == "int8" else 0.15)

@@ -71,6 +71,21 @@ def test_latency(tiny_llama, tmp_path):
         assert 0 < r[key]["device_step_s"] < 10 * r[key]["decode_step_s"]["median"]
 
 
+def test_structured(tiny_llama, tmp_path):
+    run_cli("bench", "structured", "--model", tiny_llama, *ENGINE, "--num-requests", "4",
+            "--output-len", "6", "--rounds", "1", "--num-ttft", "1", "--results-dir",
+            str(tmp_path), "--tag", "so")
+    r = read_json(tmp_path / "so.json")
+    t = r["throughput"]
+    # every run produced the same tokens: the schemas ask for more than the output length
+    assert {x["output_tokens"] for runs in t.values() for x in runs} == {24}
+    assert len(t["unconstrained"]) == 2 and t["json_schema_new"][0]["masks"] >= 6
+    assert t["unconstrained"][0]["masks"] == 0
+    assert r["ratio_to_unconstrained_median"]["json_schema_new"] > 0
+    assert r["split_step"]["one_call"] > 0 and r["split_step"]["two_calls"] > 0
+    assert all(v["n"] == 1 and v["median"] > 0 for v in r["ttft_s"].values())
+
+
 def test_dummy_weights_from_a_bare_config(tmp_path):
     from conftest import _tiny_config
     d = tmp_path / "cfg"

@@ -159,9 +159,13 @@ def test_step_shapes_cover_every_batch():
     from jaxllm.runner.buckets import StepShapes, make_buckets
     assert make_buckets(16, 8192, linear_from=1024) == [16, 32, 64, 128, 256, 512, 1024, 2048,
                                                         3072, 4096, 5120, 6144, 7168, 8192]
-    shapes = StepShapes(make_buckets(16, 512), make_buckets(1, 64))
-    assert len(shapes.all) < 20
-    for tokens in range(1, 513):
-        for seqs in range(1, min(tokens, 64) + 1):
-            t, s = shapes.pick(tokens, seqs)
-            assert (t, s) in shapes.all and t >= tokens and s >= seqs and s <= t
+    for decode in ((), (1, 2, 4, 8)):
+        shapes = StepShapes(make_buckets(16, 512), make_buckets(1, 64), decode_buckets=decode)
+        assert len(shapes.all) < 20 + len(decode)
+        for tokens in range(1, 513):
+            for seqs in range(1, min(tokens, 64) + 1):
+                t, s = shapes.pick(tokens, seqs)
+                assert (t, s) in shapes.all and t >= tokens and s >= seqs and s <= t
+        # a small decode batch runs at its own size, not padded to 16 tokens
+        assert shapes.pick(1, 1) == ((1, 1) if decode else (16, 2))
+        assert shapes.pick(5, 5) == ((8, 8) if decode else (16, 8))

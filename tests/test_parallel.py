@@ -37,7 +37,10 @@ def assert_same_as_one_device(res: dict, sizes):
         assert res[tp]["devices_per_weight"] == tp
         # each device holds its slice of the heads, not a copy of the whole weight
         full, shard = res[tp]["wqkv_full"], res[tp]["wqkv_shard"]
-        assert shard == full[:2] + [full[2] // tp]
+        if res[tp]["wqkv_quantized"]:  # codes are [layers, heads * head_dim, embed']
+            assert shard == [full[0], full[1] // tp, full[2]]
+        else:
+            assert shard == full[:2] + [full[2] // tp]
 
 
 def arch(**over) -> ArchConfig:

@@ -80,22 +80,27 @@ BAD_INPUTS = [
     ("top_logprobs above 20", CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": 50}, 400,
      "top_logprobs"),
     ("logprobs above 20", CMPL, {"prompt": "x", "logprobs": 50}, 400, "logprobs"),
-    # known fields not implemented yet: refused by name, never ignored
-    ("tools", CHAT, {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]},
-     400, "tools"),
-    ("tool_choice", CHAT, {"messages": MSG, "tool_choice": "required"}, 400, "tool_choice"),
+    # tool_choice "auto" (the default with tools) needs a tool-call parser, which this server
+    # was not given
+    ("tools without a parser", CHAT,
+     {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool_choice"),
+    ("tool_choice without tools", CHAT, {"messages": MSG, "tool_choice": "required"}, 400, "tool_choice"),
+    ("bad response_format", CHAT, {"messages": MSG, "response_format": {"type": "yaml"}}, 400,
+     "response_format.type"),
+    ("unsupported schema keyword", CMPL, {"prompt": "x", "structured_outputs": {
+        "json": {"type": "object", "propertyNames": {"pattern": "^a"}}}}, 400, "structured_outputs"),
+    # known fields not implemented: refused by name, never ignored
     ("functions", CHAT, {"messages": MSG, "functions": [{"name": "f"}]}, 400, "functions"),
-    ("response_format", CHAT, {"messages": MSG, "response_format": {"type": "json_object"}}, 400,
-     "response_format"),
     ("truncate_prompt_tokens", CMPL, {"prompt": "x", "truncate_prompt_tokens": 4}, 400,
      "truncate_prompt_tokens"),
     ("guided_json", CMPL, {"prompt": "x", "guided_json": {"type": "object"}}, 400, "guided_json"),
     ("guided_choice", CHAT, {"messages": MSG, "guided_choice": ["a", "b"]}, 400, "guided_choice"),
-    ("structured_outputs", CMPL, {"prompt": "x", "structured_outputs": {"regex": "a+"}}, 400,
-     "structured_outputs"),
     ("lora_request", CMPL, {"prompt": "x", "lora_request": {"lora_name": "a"}}, 400, "lora_request"),
-    ("tool result message", CHAT,
-     {"messages": MSG + [{"role": "tool", "content": "42", "tool_call_id": "c1"}]}, 400, "messages"),
+    ("tool result without its call", CHAT,
+     {"messages": MSG + [{"role": "tool", "content": "42"}]}, 400, "messages"),
+    ("beam search with a constraint", CMPL,
+     {"prompt": "x", "use_beam_search": True, "structured_outputs": {"regex": "a+"}}, 400,
+     "structured_outputs"),
     # beam search: what it cannot honour is refused
     ("beam search with stop", CMPL, {"prompt": "x", "use_beam_search": True, "stop": ["a"]}, 400, "stop"),
     ("beam search with seed", CMPL, {"prompt": "x", "use_beam_search": True, "seed": 3}, 400, "seed"),

@@ -143,7 +143,8 @@ def verify_batch(drafts, q, n, probabilistic, **cols):
     @jax.jit
     def run(raw_v, base_logits, input_ids, smd, vmd, state, spec):
         base, state = S.sample(base_logits, smd, state)
-        return RS.verify(raw_v, input_ids, base, smd, vmd, state, spec, K, probabilistic)
+        drafts = input_ids[vmd.token_idx + 1]  # as the forward pass gives them
+        return RS.verify(raw_v, drafts, base, smd, vmd, state, spec, K, probabilistic)
 
     tokens, num, st, state = run(jnp.asarray(np.tile(TARGET[:K], (n, 1))),
                                  jnp.asarray(np.tile(TARGET[K], (n, 1))), ids.reshape(-1), smd,

@@ -23,12 +23,17 @@ def main():
         try:
             llm = LLM(model, tensor_parallel_size=tp, max_num_seqs=4, max_num_batched_tokens=64,
                       max_model_len=256, warmup=False, enable_prefix_caching=False,
-                      attention_backend=os.environ.get("JAXLLM_TEST_BACKEND", "xla"))
+                      attention_backend=os.environ.get("JAXLLM_TEST_BACKEND", "xla"),
+                      quantization=os.environ.get("JAXLLM_TEST_QUANT") or None)
         except ValueError as e:
             out[tp] = {"error": str(e)}
             continue
         res = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         shards = {str(x.sharding.spec) for x in [llm.llm_engine.runner.kv_cache]}
+        layers = llm.llm_engine.runner.state["layers"]
+        quantized = not hasattr(layers["wqkv"], "shape") and "q" in layers["wqkv"]
+        wqkv = (layers["wqkv"]["q"] if quantized else layers["wqkv"])[...]
+        wo_scale = layers["wo"]["scale"][...] if quantized else None
         out[tp] = {
             "tokens": [o.outputs[0].token_ids for o in res],
             "logprobs": [[e[t].logprob for t, e in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
@@ -36,10 +41,14 @@ def main():
             "prompt_logprobs": [[e[t].logprob for t, e in zip(o.prompt_token_ids[1:], o.prompt_logprobs[1:])]
                                 for o in res],
             "kv_cache_spec": sorted(shards),
-            "devices_per_weight": len(llm.llm_engine.runner.state["layers"]["wqkv"][...].sharding.device_set),
-            # what one device holds of wq [layers, embed, heads * head_dim]
-            "wqkv_shard": list(llm.llm_engine.runner.state["layers"]["wqkv"][...].addressable_shards[0].data.shape),
-            "wqkv_full": list(llm.llm_engine.runner.state["layers"]["wqkv"][...].shape),
+            "devices_per_weight": len(wqkv.sharding.device_set),
+            # what one device holds of wqkv [layers, embed, heads * head_dim] (quantized:
+            # its codes [layers, heads * head_dim, embed'])
+            "wqkv_shard": list(wqkv.addressable_shards[0].data.shape),
+            "wqkv_full": list(wqkv.shape),
+            "wqkv_quantized": quantized,
+            "wo_scale_shard": None if wo_scale is None else list(wo_scale.addressable_shards[0].data.shape),
+            "wo_scale_full": None if wo_scale is None else list(wo_scale.shape),
         }
         del llm
     print("RESULT " + json.dumps(out))

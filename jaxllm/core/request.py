@@ -52,6 +52,7 @@ class Request:
         self.num_cached_tokens = -1   # prompt tokens found in the prefix cache (-1: not yet looked)
         self.forks: list[Request] = []  # n > 1: siblings that share this request's prompt blocks
         self.bad_word_ids: list[list[int]] | None = None  # tokenized SamplingParams.bad_words
+        self.grammar = None  # structured outputs: this sequence's matcher (structured_output/)
         # prompt_logprobs needs every prompt token computed: no prefix-cache hits
         self.skip_prefix_cache = sampling_params.prompt_logprobs is not None
         self.status = RequestStatus.WAITING

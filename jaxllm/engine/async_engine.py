@@ -33,6 +33,15 @@ class EngineDeadError(RuntimeError):
     pass
 
 
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        logger.warning(message)
+
+
 def describe_error(e: BaseException) -> str:
     """One line: the exception's type and the first line of its message."""
     lines = str(e).strip().splitlines()
@@ -90,6 +99,8 @@ class AsyncEngine:
             return
         self.ready.set()
         engine = self._engine
+        if engine.tokenizer is not None:
+            engine.structured.warm()  # the first structured request does not wait for it
         try:
             while not self._stopping:
                 if self._drain_inbox(block=not engine.has_unfinished_requests()) and self._on_step:
@@ -183,8 +194,14 @@ class AsyncEngine:
         return await self._in_pool(self.engine.inputs.tokenize, prompt)
 
     async def process(self, prompt, params: SamplingParams) -> EngineRequest:
-        """Validate a prompt with its parameters (tokenizing what needs it) for submit()."""
-        return await self._in_pool(self.engine.process_inputs, prompt, params)
+        """Validate a prompt with its parameters (tokenizing what needs it) for submit(). A
+        structured-output constraint is compiled here (on the engine's grammar thread, or
+        found in its cache), so a grammar that fails is the caller's error and the request
+        reaches the engine ready to run."""
+        req = await self._in_pool(self.engine.process_inputs, prompt, params)
+        if req.grammar is not None:
+            await asyncio.wrap_future(self.engine.structured.compile(req.grammar))
+        return req
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return await self._in_pool(lambda: self.tokenizer.encode(
@@ -195,13 +212,18 @@ class AsyncEngine:
             ids, skip_special_tokens=skip_special_tokens))
 
     async def render_chat(self, messages: list[dict], add_generation_prompt: bool,
-                          continue_final_message: bool, chat_template: str | None) -> list[int]:
-        """The chat template applied and tokenized. Template errors are ValueErrors."""
+                          continue_final_message: bool, chat_template: str | None,
+                          tools: list[dict] | None = None) -> list[int]:
+        """The chat template applied and tokenized (`tools`: function definitions, for the
+        templates that describe them to the model). Template errors are ValueErrors."""
         def render():
             tok = self.tokenizer
+            if tools and "tools" not in (chat_template or tok.chat_template or ""):
+                _warn_once("the chat template does not render tools: the model does not see "
+                           "their definitions (forced tool calls still follow their schemas)")
             try:
                 text = tok.apply_chat_template(
-                    messages, tokenize=False, chat_template=chat_template,
+                    messages, tokenize=False, chat_template=chat_template, tools=tools,
                     add_generation_prompt=add_generation_prompt and not continue_final_message,
                     continue_final_message=continue_final_message)
             except ImportError:

@@ -18,13 +18,15 @@ class EngineRequest:
     params: SamplingParams
     cache_salt: str | None = None
     bad_word_ids: list[list[int]] | None = None  # SamplingParams.bad_words, tokenized
+    grammar: object | None = None  # SamplingParams.structured_outputs, validated (a GrammarSpec)
 
 
 class InputProcessor:
-    def __init__(self, tokenizer, vocab_size: int, max_model_len: int):
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, structured=None):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.structured = structured  # StructuredOutputManager: validates constraints
 
     def tokenize(self, prompt) -> tuple[str | None, list[int], str | None]:
         """(text, token ids, cache_salt) of a string, a list of token ids, or a dict with
@@ -64,7 +66,12 @@ class InputProcessor:
         text, ids, salt = self.tokenize(prompt)
         self.check(ids, params)
         bad = self._tokenize_bad_words(params.bad_words) if params.bad_words else None
-        return EngineRequest(text, ids, params, salt, bad)
+        grammar = None
+        if params.structured_outputs is not None:
+            if self.structured is None:
+                raise ValueError("structured_outputs is not available here")
+            grammar = self.structured.prepare(params.structured_outputs)
+        return EngineRequest(text, ids, params, salt, bad, grammar)
 
     def check(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:

@@ -1,11 +1,13 @@
 """LLMEngine: add_request / step / abort_request, as in vLLM."""
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.config import EngineConfig
@@ -22,6 +24,7 @@ from jaxllm.parallel import multiprocess as mp
 from jaxllm.runner.model_runner import InFlight, ModelRunner, kv_bytes_per_block
 from jaxllm.core.scheduler import SchedulerOutput
 from jaxllm.sampling_params import SamplingParams
+from jaxllm.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger("jaxllm")
 
@@ -72,6 +75,12 @@ def kv_budget_bytes(limit: int, in_use: int, scratch: int, utilization: float,
     return int(usable * (1 - ALLOCATOR_SLACK)) - in_use - scratch
 
 
+def process_seconds() -> float:
+    """Seconds since this process started (imports included)."""
+    import psutil
+    return time.time() - psutil.Process().create_time()
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         start = time.perf_counter()
@@ -88,9 +97,11 @@ class LLMEngine:
         if config.attention_backend == "auto":
             config.attention_backend = "pallas" if platform == "gpu" else "xla"
         self.mesh = make_mesh(config.tensor_parallel_size)
+        load_start = time.perf_counter()
         loaded = load_model(config.model, self.policy, config.load_format, config.seed,
                             config.tokenizer, attention_backend=config.attention_backend,
-                            mesh=self.mesh)
+                            mesh=self.mesh, quantization=config.quantization)
+        self.load_seconds = time.perf_counter() - load_start
         self.arch = loaded.arch
         self.tokenizer = loaded.tokenizer
         self.eos_token_id = loaded.eos_token_id
@@ -108,8 +119,9 @@ class LLMEngine:
             check_draft(draft, loaded, config.max_model_len)
         bs = config.block_size
         # a draft model's cache has the same blocks as the target's: a block costs both
-        per_block = kv_bytes_per_block(self.arch, bs, self.dtype) + (
-            kv_bytes_per_block(draft.arch, bs, self.dtype) if draft is not None else 0)
+        per_block = kv_bytes_per_block(self.arch, bs, self.dtype, config.kv_cache_dtype) + (
+            kv_bytes_per_block(draft.arch, bs, self.dtype, config.kv_cache_dtype)
+            if draft is not None else 0)
         self.is_follower = jax.process_index() != 0
         num_blocks = 0 if self.is_follower else self._num_blocks(platform, per_block, loaded)
         if jax.process_count() > 1:  # every process sizes its cache as process 0 did
@@ -128,7 +140,8 @@ class LLMEngine:
                                    num_spec_tokens=k)
         self.runner = ModelRunner(loaded, self.dtype, num_blocks, bs, config.max_model_len,
                                   config.max_num_seqs, config.max_num_batched_tokens,
-                                  num_host_blocks, config.attention_backend, num_spec_tokens=k,
+                                  num_host_blocks, config.attention_backend, config.kv_cache_dtype,
+                                  num_spec_tokens=k,
                                   spec_probabilistic=spec is not None
                                   and spec.draft_sample_method == "probabilistic")
         self.speculator = None
@@ -140,11 +153,20 @@ class LLMEngine:
                                                  spec.draft_sample_method == "probabilistic")
             self.speculator = Speculator(spec, self.runner.batch, self.runner.drafter)
             logger.info("speculative decoding: %s", spec.describe())
+        self.compile_seconds = 0.0
         if config.warmup:
-            secs = self.runner.compile_all()
-            logger.info("compiled %d step shapes in %.1f s", len(self.runner.shapes.all), secs)
+            self.compile_seconds = self.runner.compile_all()
+            logger.info("compiled %d step shapes (forward %d, sampling %d) in %.1f s",
+                        self.runner.num_compiled, len(self.runner.shapes.all),
+                        len(self.runner.sample_buckets), self.compile_seconds)
         self._rng = np.random.default_rng(config.seed)
-        self.inputs = InputProcessor(self.tokenizer, self.arch.vocab_size, config.max_model_len)
+        self.structured = StructuredOutputManager(self.tokenizer, self.arch.vocab_size,
+                                                  self.eos_token_id)
+        # structured requests whose grammar is still compiling: id -> (compiled future,
+        # sequences); they join the scheduler when it is ready
+        self._awaiting_grammar: dict[str, tuple[concurrent.futures.Future, list[Request]]] = {}
+        self.inputs = InputProcessor(self.tokenizer, self.arch.vocab_size, config.max_model_len,
+                                     self.structured)
         self.outputs = OutputProcessor(self.tokenizer)
         # async scheduling: the step dispatched last, whose tokens the host has not read yet
         self._in_flight: tuple[SchedulerOutput, InFlight | None] | None = None
@@ -155,8 +177,10 @@ class LLMEngine:
         self.kv_waste_slot_steps = 0
         self.peak_running = 0
         self.startup_seconds = time.perf_counter() - start
-        logger.info("engine ready in %.1f s (model %s, dtype %s, %s, %s scheduling)",
-                    self.startup_seconds, loaded.path, self.policy.describe(), platform,
+        logger.info("engine ready in %.1f s (load %.1f s, compile %.1f s; %.1f s since the "
+                    "process started; model %s, dtype %s, %s, %s scheduling)",
+                    self.startup_seconds, self.load_seconds, self.compile_seconds,
+                    process_seconds(), loaded.path, self.policy.describe(), platform,
                     "async" if config.async_scheduling else "synchronous")
 
     def _num_blocks(self, platform: str, per_block: int, loaded) -> int:
@@ -183,6 +207,10 @@ class LLMEngine:
         logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB); maximum concurrency "
                     "for %d-token requests: %.2fx", num, cfg.block_size, tokens,
                     num * per_block / 2**30, cfg.max_model_len, tokens / cfg.max_model_len)
+        if cfg.kv_cache_dtype != "auto":
+            plain = kv_bytes_per_block(self.arch, cfg.block_size, self.dtype)
+            logger.info("KV cache dtype %s: %.2fx the tokens of %s in the same memory",
+                        cfg.kv_cache_dtype, plain / per_block, jnp.dtype(self.dtype).name)
         return num
 
     def _profile_blocks(self, per_block: int, loaded) -> int:
@@ -195,9 +223,14 @@ class LLMEngine:
             raise ValueError("device memory size is unknown; set kv_cache_memory_bytes or "
                              "num_gpu_blocks_override")
         # a runner with a 2-block cache, only to measure the largest step's scratch memory
+        spec = cfg.speculative_config
         probe = ModelRunner(loaded, self.dtype, 2, cfg.block_size, cfg.max_model_len,
                             cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                            attention_backend=cfg.attention_backend)
+                            attention_backend=cfg.attention_backend,
+                            kv_cache_dtype=cfg.kv_cache_dtype,
+                            num_spec_tokens=spec.k if spec is not None else 0,
+                            spec_probabilistic=spec is not None
+                            and spec.draft_sample_method == "probabilistic")
         scratch = probe.activation_bytes()
         del probe
         in_use = dev.memory_stats().get("bytes_in_use", 0)
@@ -252,12 +285,79 @@ class LLMEngine:
                           parent_id=request_id)
             req.bad_word_ids = req_in.bad_word_ids
             reqs.append(req)
+        compiled = None
+        if req_in.grammar is not None:
+            compiled = self.structured.compile(req_in.grammar)
+            if not compiled.done():  # it waits outside the scheduler, steps go on
+                self.outputs.add(request_id, req_in.prompt, req_in.prompt_token_ids, params,
+                                 reqs, arrival)
+                self._awaiting_grammar[request_id] = (compiled, reqs)
+                return
+            self._attach_grammars(reqs, compiled.result())  # a failure raises ValueError here
         # siblings of a parallel-sampling request start from the first one's prompt blocks
         self.scheduler.add_request(reqs[0], reqs[1:])
         # only once the scheduler has taken it: a refused request leaves nothing behind
         self.outputs.add(request_id, req_in.prompt, req_in.prompt_token_ids, params, reqs, arrival)
         if any(len(w) > 1 for w in req_in.bad_word_ids or ()):
             self._needs_sync.add(request_id)
+
+    # structured outputs
+    def _attach_grammars(self, reqs: list[Request], compiled) -> None:
+        for req in reqs:
+            req.grammar = self.structured.grammar(compiled)
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Requests whose grammar finished compiling join the scheduler; one whose grammar
+        failed ends (aborted, the error logged; the server compiles before submitting, so its
+        clients get a 400 instead)."""
+        if not self._awaiting_grammar:
+            return []
+        failed = []
+        if not self.scheduler.has_unfinished_requests() and self._in_flight is None:
+            # nothing else to run: wait a little for a compilation instead of spinning
+            concurrent.futures.wait([f for f, _ in self._awaiting_grammar.values()],
+                                    timeout=0.05, return_when=concurrent.futures.FIRST_COMPLETED)
+        for rid, (compiled, reqs) in list(self._awaiting_grammar.items()):
+            if not compiled.done():
+                continue
+            del self._awaiting_grammar[rid]
+            error = compiled.exception()
+            if error is not None:
+                logger.error("request %s: %s", rid, error)
+                for req in reqs:
+                    req.status = RequestStatus.FINISHED_ABORTED
+                failed.append(rid)
+                continue
+            self._attach_grammars(reqs, compiled.result())
+            self.scheduler.add_request(reqs[0], reqs[1:])
+        return self.outputs.make_outputs(failed)
+
+    def _advance_grammar(self, req: Request, tokens: list[int]) -> None:
+        """A constrained sequence's new tokens advance its grammar; it ends (stop) once the
+        grammar is complete and allows nothing more."""
+        if req.status.finished and tokens[-1] == req.eos_token_id:
+            tokens = tokens[:-1]  # ended by EOS, which the grammar allowed
+        grammar = req.grammar
+        if tokens and not grammar.accept(tokens):
+            # only when other masks (allowed_token_ids, bad words) left no token the grammar allows
+            logger.error("request %s sampled a token its grammar does not allow: %s",
+                         req.request_id, grammar.error)
+            self.scheduler.finish_requests(req.request_id, RequestStatus.FINISHED_ABORTED)
+        elif grammar.is_terminated:
+            if req.status == RequestStatus.FINISHED_LENGTH:  # complete at the limit: it stopped
+                req.status = RequestStatus.FINISHED_STOPPED
+            elif not req.status.finished:
+                self.scheduler.finish_requests(req.request_id, RequestStatus.FINISHED_STOPPED)
+
+    def _grammar_rows(self, out: SchedulerOutput, flight: InFlight) -> list:
+        """(row of the step, grammar) of the constrained rows that sample in it."""
+        st = flight.step
+        rows = []
+        for i in np.nonzero(st.final)[0]:
+            req = out.scheduled_reqs[st.req_ids[i]]
+            if req.grammar is not None and not req.status.finished:
+                rows.append((int(i), req.grammar))
+        return rows
 
     def token_text(self, token_id: int) -> str | None:
         return self.outputs.token_text(token_id)
@@ -269,6 +369,8 @@ class LLMEngine:
             if parent is None:
                 continue
             self._needs_sync.discard(rid)
+            if self._awaiting_grammar.pop(rid, None) is not None:
+                continue  # never reached the scheduler
             self.scheduler.finish_requests([s.request.request_id for s in parent.seqs],
                                            RequestStatus.FINISHED_ABORTED)
 
@@ -298,6 +400,7 @@ class LLMEngine:
             self._in_flight = None
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
+        outputs += self._admit_compiled()
         out = self.scheduler.schedule()
         if self.runner.drafter is not None:
             self.runner.drafter.enabled = self.speculator.enabled_for(self.scheduler.num_running)
@@ -306,10 +409,17 @@ class LLMEngine:
             parent = self.outputs.parent_of(rid)
             if parent is not None and parent.metrics.first_scheduled_time is None:
                 parent.metrics.first_scheduled_time = scheduled_at
-        flight = self.runner.dispatch(out)
+        # a constrained row's mask depends on the token its previous step sampled: sampling
+        # waits until the host has read that step and advanced the grammars, which it does
+        # while the device runs this step's forward pass
+        masked = any(out.scheduled_reqs[rid].grammar is not None for rid in out.sampling_req_ids)
+        flight = self.runner.dispatch(out, masked)
         previous, self._in_flight = self._in_flight, (out, flight)
         if previous is not None:
             outputs += self._finish_step(*previous)
+        if masked and flight is not None:
+            rows = self._grammar_rows(out, flight)
+            self.runner.sample(flight, self.structured.bitmask(rows, len(flight.step.req_ids)))
         if not overlap or flight is None:
             outputs += self._finish_step(*self._in_flight)
             self._in_flight = None
@@ -325,6 +435,8 @@ class LLMEngine:
         touched = {}
         for upd in self.scheduler.update_from_output(out, res.sampled):
             req = upd.request
+            if req.grammar is not None and upd.new_token_ids:
+                self._advance_grammar(req, upd.new_token_ids)
             pid = self.outputs.update(req, upd.new_token_ids, res.logprobs.get(req.request_id),
                                       now, self._finish_stopped)
             touched[pid] = None

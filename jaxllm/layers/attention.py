@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 import jax
 import jax.numpy as jnp
 
+from jaxllm.quantization import kv as kvq
+
 _NEG = -1e30
 KV_CHUNK = 128      # cache tokens per loop iteration of the XLA path's prefill tiles
 DECODE_CHUNK = 32   # ... and of its decode pass: gathers are its cost, so little overshoot
@@ -57,11 +59,10 @@ def kv_chunk(block_size: int, tokens: int = KV_CHUNK) -> int:
     return max(block_size, tokens // block_size * block_size)
 
 
-def write_kv(kv_cache: jax.Array, layer: jax.Array, k: jax.Array, v: jax.Array,
-             slot_mapping: jax.Array) -> jax.Array:
-    """k, v: [T, KVH, D] -> written at kv_cache[layer, 0/1, :, slot_mapping]."""
-    kv = jnp.stack([k, v], axis=0).swapaxes(1, 2).astype(kv_cache.dtype)  # [2, KVH, T, D]
-    return kv_cache.at[layer, :, :, slot_mapping].set(kv.transpose(2, 0, 1, 3), mode="drop")
+def write_kv(kv_cache, layer: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array):
+    """k, v: [T, KVH, D] -> written at kv_cache[layer, 0/1, :, slot_mapping] (a quantized
+    cache stores them with a scale per token and head: jaxllm.quantization.kv)."""
+    return kvq.write(kv_cache, layer, k, v, slot_mapping)
 
 
 def _softcap(s, soft_cap):
@@ -124,8 +125,8 @@ def _decode_pass(qg, kv_cache, layer, md, window, soft_cap):
                                      axis=1, mode="clip")
         slots = (blocks[:, :, None] * bs + jnp.arange(bs)).reshape(S, chunk)
         # one gather straight from the stacked cache: slicing the layer out first would copy it
-        k = kv_cache[layer, 0, :, slots].astype(jnp.float32)  # [S, C, KVH, D]
-        v = kv_cache[layer, 1, :, slots].astype(jnp.float32)
+        k = kvq.read(kv_cache, layer, 0, slots)  # [S, C, KVH, D]
+        v = kvq.read(kv_cache, layer, 1, slots)
         s = _softcap(jnp.einsum("skgd,sckd->skgc", qg[seq], k), soft_cap)
         k_pos = c[:, None] * chunk + jnp.arange(chunk)
         mask = ((k_pos < lens[seq][:, None]) & (k_pos >= lo[seq][:, None]) & valid[:, None])
@@ -173,8 +174,8 @@ def _prefill_pass(qg, out, kv_cache, layer, md, window, soft_cap):
 
         def body(c, state):
             slots = _chunk_slots(table, c, chunk, bs)  # [C]
-            k = kv_cache[layer, 0, :, slots].astype(jnp.float32)  # [C, KVH, D]
-            v = kv_cache[layer, 1, :, slots].astype(jnp.float32)
+            k = kvq.read(kv_cache, layer, 0, slots)  # [C, KVH, D]
+            v = kvq.read(kv_cache, layer, 1, slots)
             s = _softcap(jnp.einsum("qkgd,ckd->qkgc", q, k), soft_cap)
             k_pos = c * chunk + jnp.arange(chunk)
             mask = k_pos[None, :] <= pos[:, None]
@@ -203,7 +204,7 @@ def paged_attention_xla(q: jax.Array, kv_cache: jax.Array, layer: jax.Array,
     tile, and that pass is skipped at run time when the step has no prefill.
     """
     T, H, D = q.shape
-    KVH = kv_cache.shape[2]
+    KVH = (kv_cache.data if isinstance(kv_cache, kvq.QuantizedKV) else kv_cache).shape[2]
     G = H // KVH
     qg = (q.astype(jnp.float32) * scale).reshape(T, KVH, G, D)
     last = md.query_start_loc[1:] - 1
@@ -252,6 +253,8 @@ def attention_block(q, k, v, kv_cache, layer, md, scale, sliding_window=None, ba
 
     from jaxllm.parallel import spec
     heads, kv_heads = spec(None, "heads", None), spec(None, "kv_heads", None)
-    cache = spec("layers", "kv", "kv_heads", "slots", "head_dim")
+    cache = jax.tree.map(lambda axes: spec(*axes),
+                         kvq.cache_axes(("layers", "kv", "kv_heads", "slots", "head_dim"), kv_cache),
+                         is_leaf=lambda x: isinstance(x, tuple))
     return jax.shard_map(local, mesh=mesh, in_specs=(heads, kv_heads, kv_heads, cache, P(), P()),
                          out_specs=(heads, cache), check_vma=False)(q, k, v, kv_cache, layer, md)

@@ -58,9 +58,14 @@ def resolve_policy(dtype: str, platform: str) -> DTypePolicy:
     return uniform_policy(dtype)
 
 
-def linear(x: jax.Array, w: jax.Array, policy: DTypePolicy, bias: jax.Array | None = None) -> jax.Array:
-    """x[..., in] @ w[in, out] (+ bias) in the policy's dtypes; returns `policy.activation`."""
-    if policy.accum == policy.dot:
+def linear(x: jax.Array, w, policy: DTypePolicy, bias: jax.Array | None = None) -> jax.Array:
+    """x[..., in] @ w (+ bias) in the policy's dtypes; returns `policy.activation`. w is a
+    float [in, out] array or a quantized weight (jaxllm.quantization.qweight.QWeight,
+    out-major, read by its own matmul)."""
+    from jaxllm.quantization.qweight import QWeight, matmul
+    if isinstance(w, QWeight):
+        y = matmul(x, w, policy)
+    elif policy.accum == policy.dot:
         y = jnp.dot(x.astype(policy.dot), w.astype(policy.dot))
     else:
         y = jax.lax.dot_general(x.astype(policy.dot), w.astype(policy.dot),

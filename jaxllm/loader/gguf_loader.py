@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from jaxllm.loader.hf import StackedWeights
 from jaxllm.models.arch import ArchConfig
@@ -72,20 +73,40 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def load_gguf_weights(reader, cfg: ArchConfig, cls, out: StackedWeights) -> dict[str, np.ndarray]:
+def is_quantized(reader) -> bool:
+    """Whether any matrix of the file is stored in a quantized GGML type."""
+    import gguf
+    floats = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16,
+              gguf.GGMLQuantizationType.BF16)
+    return any(t.tensor_type not in floats for t in reader.tensors)
+
+
+def load_gguf_weights(reader, cfg: ArchConfig, cls, out: StackedWeights,
+                      keep_quantized: bool = True) -> dict:
+    """The file's tensors into `out`; quantized matrices stay quantized (our int4/int8
+    layouts, jaxllm.quantization.formats.from_gguf) unless keep_quantized is False."""
     from gguf.quants import dequantize
 
+    from jaxllm.quantization.formats import HostQuant, from_gguf
+
     heads = {"q": cfg.num_heads, "k": cfg.num_kv_heads}
-    for t in reader.tensors:
+    for t in tqdm(reader.tensors, desc="reading weights", unit="tensor"):
         if t.name == "rope_freqs.weight":
             continue  # read into the architecture's rope scaling
         found = cls.GGUF_WEIGHTS.lookup(t.name)
         if found is None:
             continue
         target, layer = found
-        w = dequantize(t.data, t.tensor_type).astype(np.float32)
-        w = w.reshape([int(d) for d in reversed(t.shape)])  # GGUF lists dims inner-first
+        shape = [int(d) for d in reversed(t.shape)]  # GGUF lists dims inner-first
+        w = from_gguf(t.data, t.tensor_type, tuple(shape)) if keep_quantized and len(shape) == 2 else None
+        if w is None:
+            w = dequantize(t.data, t.tensor_type).astype(np.float32).reshape(shape)
         if target.unpermute:
-            w = _unpermute(w, heads[target.unpermute])
+            n = heads[target.unpermute]
+            if isinstance(w, HostQuant):  # the same row order for codes, scales and offsets
+                perm = _unpermute(np.arange(w.out_features), n)
+                w = HostQuant(w.kind, w.q[perm], w.scale[perm], None if w.offset is None else w.offset[perm])
+            else:
+                w = _unpermute(w, n)
         out.put(target, layer, w, t.name)
     return out.finish()

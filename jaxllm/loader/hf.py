@@ -1,18 +1,24 @@
 """Checkpoint tensors -> the model's stacked parameters (`[layers, ...]`, `[in, out]`), by the
-model class's WeightMap, checking every shape and that nothing is missing."""
+model class's WeightMap, checking every shape and that nothing is missing. Quantized tensors
+(jaxllm.quantization.formats.HostQuant, out-major) are stacked the same way into one
+HostQuant per parameter, its segments concatenated along the output rows."""
 from __future__ import annotations
 
 import numpy as np
 
 from jaxllm.models.base import Target
+from jaxllm.quantization import formats as qf
 
 
 class StackedWeights:
     """Collects per-layer tensors (and the segments of fused ones) into stacked arrays."""
 
     def __init__(self, shapes: dict[str, tuple[int, ...]], dtypes: dict[str, np.dtype],
-                 segments: dict[str, dict[str, int]]):
+                 segments: dict[str, dict[str, int]], matrices: dict[str, str] | None = None):
         self.shapes, self.dtypes = shapes, dtypes
+        self.matrices = matrices or {}  # name -> "in_out" | "out_in" for quantizable matrices
+        # quantized parts: name -> [(target, layer, HostQuant, source)]
+        self.quant: dict[str, list] = {}
         # fused parameter -> segment -> (offset, width) on its last axis
         self.segments = {}
         for name, parts in segments.items():
@@ -24,10 +30,14 @@ class StackedWeights:
         self.arrays: dict[str, np.ndarray] = {}
         self.filled: dict[str, set] = {}
 
-    def put(self, target: Target, layer: int | None, value: np.ndarray, source: str) -> None:
+    def put(self, target: Target, layer: int | None, value, source: str) -> None:
         """Store `value` (`value.T` when the target says the file is transposed); per-layer
-        targets name their parameter without the stack's "layers." prefix."""
+        targets name their parameter without the stack's "layers." prefix. A HostQuant value
+        is kept quantized."""
         name = target.name if layer is None else "layers." + target.name
+        if isinstance(value, qf.HostQuant):
+            self._put_quant(name, target, layer, value, source)
+            return
         if name not in self.shapes:
             if name == "lm_head" and "embed_tokens" in self.shapes:
                 return  # tied embeddings: some checkpoints store the copy anyway
@@ -56,7 +66,64 @@ class StackedWeights:
             arr[layer, ..., cols] = value
         self.filled.setdefault(name, set()).add((layer, target.segment))
 
-    def finish(self) -> dict[str, np.ndarray]:
+    def _put_quant(self, name: str, target: Target, layer, value: qf.HostQuant, source: str) -> None:
+        if name not in self.shapes:
+            if name == "lm_head" and "embed_tokens" in self.shapes:
+                return
+            raise ValueError(f"checkpoint tensor {source} has no place in this model's "
+                             f"configuration (is a config flag such as a bias missing?)")
+        matrix = self.matrices.get(name)
+        if matrix is None:
+            raise ValueError(f"checkpoint tensor {source} is quantized but {name} is not a matrix")
+        full = self.shapes[name]
+        a, b = full[-2:]
+        want_out, want_in = (b, a) if matrix == "in_out" else (a, b)
+        if target.segment is not None:
+            want_out = self.segments[target.name][target.segment][1]
+        got = (value.out_features, value.in_features)
+        if got != (want_out, want_in):
+            raise ValueError(f"tensor {source} has shape {got} (out, in), expected {(want_out, want_in)}")
+        if layer is not None and layer >= full[0]:
+            raise ValueError(f"tensor {source}: layer {layer} but the model has {full[0]} layers")
+        self.quant.setdefault(name, []).append((target, layer, value, source))
+        self.filled.setdefault(name, set()).add((layer, target.segment))
+
+    def _assemble(self, name: str) -> qf.HostQuant:
+        """Quantized parts -> one HostQuant [(L,) N, K'] in one common layout (exact)."""
+        entries = self.quant[name]
+        parts = qf.common_layout([e[2] for e in entries])
+        by_key = {(e[1], e[0].segment): p for e, p in zip(entries, parts)}
+        fused = all(e[0].segment is not None for e in entries)
+        order = list(self.segments[name.split(".")[-1]]) if fused else [None]
+        layers = [None] if not name.startswith("layers.") else range(self.shapes[name][0])
+
+        def cat(arrays):
+            return arrays[0] if len(arrays) == 1 else np.concatenate(arrays, axis=-2)
+
+        stacked = []
+        for i in layers:
+            segs = [by_key[(i, s)] for s in order]
+            off = None if segs[0].offset is None else cat([p.offset for p in segs])
+            stacked.append(qf.HostQuant(segs[0].kind, cat([p.q for p in segs]),
+                                        cat([p.scale for p in segs]), off))
+        if layers == [None]:
+            return stacked[0]
+        from jaxllm.quantization import stack
+        return stack(stacked)
+
+    def finish(self) -> dict:
+        """Every parameter: a float array, or a HostQuant for a quantized matrix. A matrix
+        whose parts came partly in float is kept in float (its quantized parts dequantized)."""
+        for name in [n for n in self.quant if n in self.arrays]:
+            for target, layer, value, source in self.quant.pop(name):
+                # out-major, as the file stores a matrix
+                self.put(target, layer, value.dequantize(), source)
+        out = self._check_complete()
+        for name in self.quant:
+            out[name] = self._assemble(name)
+        return out
+
+    def _check_complete(self) -> dict[str, np.ndarray]:
         for name, shape in self.shapes.items():
             got = self.filled.get(name, set())
             layers = [None] if not name.startswith("layers.") else range(shape[0])

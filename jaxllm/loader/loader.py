@@ -7,19 +7,24 @@ import json
 import logging
 import os
 import shutil
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from typing import Any
 
 import jax
 import numpy as np
 from flax import nnx
+from tqdm.auto import tqdm
 
 from jaxllm.layers.linear import DTypePolicy, uniform_policy
+from jaxllm.loader import orbax
 from jaxllm.loader.hf import StackedWeights
 from jaxllm.loader.safetensors_io import checkpoint_files, read_safetensors
 from jaxllm.models import ArchConfig, get_model_class
 from jaxllm.models.base import param_dtypes
 from jaxllm.models.registry import arch_from_hf, model_class_for_gguf
+from jaxllm import quantization as qmethods
+from jaxllm.quantization.formats import HostQuant
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +59,7 @@ class LoadedModel:
     tokenizer: Any
     eos_token_id: int | None
     mesh: Any = None
+    quant: Any = None  # jaxllm.quantization.QuantSpec of the quantized matrices, or None
 
 
 def _gguf_file(path: str) -> str | None:
@@ -69,10 +75,25 @@ TOKENIZER_CACHE = os.environ.get("JAXLLM_TOKENIZER_CACHE_DIR",
                                  os.path.expanduser("~/.cache/jaxllm/tokenizers"))
 
 
-def _load_tokenizer(path: str, gguf_file: str | None):
+def _from_pretrained(path: str):
+    """AutoTokenizer's result, without its model-config machinery (which imports torch when it
+    is installed: seconds at every start) for the plain fast tokenizers that GGUF metadata and
+    jaxllm's own checkpoints hold."""
+    try:
+        with open(os.path.join(path, "tokenizer_config.json")) as f:
+            cls = json.load(f).get("tokenizer_class")
+    except (OSError, ValueError):
+        cls = None
+    if cls in ("PreTrainedTokenizerFast", "TokenizersBackend"):
+        from transformers import PreTrainedTokenizerFast
+        return PreTrainedTokenizerFast.from_pretrained(path)
     from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _load_tokenizer(path: str, gguf_file: str | None):
     if not gguf_file:
-        return AutoTokenizer.from_pretrained(path)
+        return _from_pretrained(path)
     # Building a tokenizer from GGUF metadata takes seconds; keep the result for the next start.
     from jaxllm.loader.gguf_tokenizer import gguf_tokenizer
     st = os.stat(gguf_file)
@@ -80,7 +101,7 @@ def _load_tokenizer(path: str, gguf_file: str | None):
     cached = os.path.join(TOKENIZER_CACHE, key)
     if os.path.exists(os.path.join(cached, "tokenizer_config.json")):
         try:
-            return AutoTokenizer.from_pretrained(cached)
+            return _from_pretrained(cached)
         except (OSError, ValueError):
             logger.warning("cached tokenizer %s unreadable; rebuilding it", cached)
     tok = gguf_tokenizer(gguf_file)
@@ -105,36 +126,114 @@ def get_tokenizer(model: str | None):
 def _stacked(cls, arch: ArchConfig, policy: DTypePolicy) -> StackedWeights:
     specs = cls.param_specs(arch)
     return StackedWeights({k: v.shape for k, v in specs.items()}, param_dtypes(specs, policy),
-                          cls.segments(arch))
+                          cls.segments(arch), {k: v.matrix for k, v in specs.items() if v.matrix})
 
 
-def _read_weights(path: str, gguf_file: str | None, cfg_only: bool, policy: DTypePolicy):
-    """(checkpoint architecture, host weights in the checkpoint's shapes or None)."""
+@dataclass
+class _Read:
+    arch: ArchConfig
+    weights: dict | None          # name -> float array or HostQuant (None: config only)
+    method: str | None            # how the checkpoint is quantized (None: float)
+    act: str = "none"             # its activation quantization (compressed-tensors W8A8 / FP8)
+
+
+def _read_weights(path: str, gguf_file: str | None, cfg_only: bool, policy: DTypePolicy,
+                  quantization: str | None) -> _Read:
+    """The checkpoint's architecture and host weights in the checkpoint's shapes; quantized
+    matrices stay quantized unless quantization is "none"."""
+    keep = quantization != "none"
     if gguf_file:
         import gguf
-        from jaxllm.loader.gguf_loader import gguf_arch_config, load_gguf_weights
+        from jaxllm.loader.gguf_loader import gguf_arch_config, is_quantized, load_gguf_weights
         reader = gguf.GGUFReader(gguf_file)
         cls = model_class_for_gguf(str(reader.fields["general.architecture"].contents()))
         arch = gguf_arch_config(reader, cls)
+        method = "gguf" if is_quantized(reader) else None
         if cfg_only:
-            return arch, None
-        return arch, load_gguf_weights(reader, arch, cls, _stacked(cls, arch, policy))
+            return _Read(arch, None, method)
+        return _Read(arch, load_gguf_weights(reader, arch, cls, _stacked(cls, arch, policy), keep), method)
     config_path = os.path.join(path, "config.json")
     if not os.path.exists(config_path):
         raise ValueError(f"{path} has no config.json and no single .gguf file")
     with open(config_path) as f:
-        arch = arch_from_hf(json.load(f))
+        config = json.load(f)
+    from jaxllm.loader.quantized import QuantizedReader, method_of
+    arch = arch_from_hf(config)
+    method = method_of(config)
+    qreader = QuantizedReader(config["quantization_config"]) if method else None
+    act = qreader.activation if qreader else "none"
     if cfg_only:
-        return arch, None
+        return _Read(arch, None, method, act)
     cls = get_model_class(arch.architecture)
+    specs = cls.param_specs(arch)
     out = _stacked(cls, arch, policy)
-    for file in checkpoint_files(path):
-        for name, tensor in read_safetensors(file).items():
-            found = cls.HF_WEIGHTS.lookup(name)
-            if found is not None:
-                target, layer = found
-                out.put(target, layer, tensor, name)
-    return arch, out.finish()
+    tensors = [t for file in checkpoint_files(path) for t in read_safetensors(file).items()]
+    for name, tensor in tqdm(tensors, desc="reading weights", unit="tensor"):
+        if qreader is not None and qreader.take(name, tensor):
+            continue
+        found = cls.HF_WEIGHTS.lookup(name)
+        if found is not None:
+            target, layer = found
+            out.put(target, layer, tensor, name)
+    for module in list(qreader.modules) if qreader else ():
+        found = cls.HF_WEIGHTS.lookup(module + ".weight")
+        if found is None:
+            continue
+        target, layer = found
+        pname = target.name if layer is None else "layers." + target.name
+        spec = specs[pname]
+        n_out, n_in = qmethods.out_in(spec.shape, spec.matrix)
+        if target.segment is not None:
+            n_out = cls.segments(arch)[target.name][target.segment]
+        h = qreader.convert(module, (n_out, n_in))
+        out.put(target, layer, h.dequantize() if not keep else h, module)
+    return _Read(arch, out.finish(), method, act)
+
+
+def resolve_method(requested: str | None, checkpoint: str | None, source: str) -> str | None:
+    """The method a model runs with: the checkpoint's unless another one is asked for."""
+    qmethods.validate_method(requested)
+    if requested in (None, "none"):
+        return None if requested == "none" else checkpoint
+    if checkpoint is not None:
+        if requested != checkpoint:
+            what = ("online quantization needs float weights" if requested in qmethods.ONLINE_METHODS
+                    else f"its weights are {checkpoint}")
+            raise ValueError(f"quantization={requested!r} does not match the checkpoint {source}, "
+                             f"which is quantized with {checkpoint} ({what}); leave quantization "
+                             "unset to run it as shipped, or pass 'none' to dequantize it")
+        return requested
+    if requested in qmethods.CHECKPOINT_METHODS:
+        raise ValueError(f"quantization={requested!r} needs a checkpoint quantized with it; "
+                         f"{source} is not quantized")
+    return requested
+
+
+def _quant_tp(weights: dict, cls, ckpt_arch, tp, quantized: list[str]) -> dict:
+    """The model's tensor-parallel transform applied to each part of the quantized matrices,
+    viewed in the float parameters' orientation (columns are output rows)."""
+    if tp.size == 1 or not quantized:
+        return weights
+    if tp.mlp_pad:
+        raise ValueError("quantized weights need intermediate_size divisible by "
+                         f"tensor_parallel_size ({ckpt_arch.intermediate_size} % {tp.size} != 0)")
+    specs = cls.param_specs(ckpt_arch)
+    out = dict(weights)
+    fields = ("q", "scale", "offset")
+    views = {f: {} for f in fields}
+    for name in quantized:
+        h, matrix = weights[name], specs[name].matrix
+        for f in fields:
+            a = getattr(h, f)
+            if a is not None:
+                views[f][name] = np.swapaxes(a, -1, -2) if matrix == "in_out" else a
+    done = {f: cls.tp_transform(views[f], ckpt_arch, tp) for f in fields}
+    for name in quantized:
+        matrix = specs[name].matrix
+        back = {f: (np.swapaxes(done[f][name], -1, -2) if matrix == "in_out" else done[f][name])
+                for f in fields if name in done[f]}
+        out[name] = HostQuant(weights[name].kind, back["q"], back["scale"], back.get("offset"))
+    return out
 
 
 def _param_name(path_keys) -> str:
@@ -144,60 +243,164 @@ def _param_name(path_keys) -> str:
     return ".".join(keys)
 
 
-def abstract_model(arch: ArchConfig, policy: DTypePolicy, attention_backend: str, mesh):
+def abstract_model(arch: ArchConfig, policy: DTypePolicy, attention_backend: str, mesh,
+                   quant: qmethods.QuantSpec | None = None):
     """The model's graph, the shapes of its parameters (no memory) and their shardings on
     `mesh`; arch is the runtime architecture (after tensor-parallel padding)."""
     from jaxllm.parallel import sharding
     cls = get_model_class(arch.architecture)
-    specs = cls.param_specs(arch)
+    specs = qmethods.quantized_specs(cls.param_specs(arch), quant)
     abstract = nnx.eval_shape(lambda: cls(arch, policy, rngs=nnx.Rngs(0),
-                                          attention_backend=attention_backend, mesh=mesh))
+                                          attention_backend=attention_backend, mesh=mesh,
+                                          quant=quant))
     graphdef, abstract_state = nnx.split(abstract)
     shardings = jax.tree_util.tree_map_with_path(
         lambda p, leaf: sharding(mesh, *specs[_param_name(p)].axes), abstract_state)
     return graphdef, abstract_state, shardings
 
 
+def _check_shardable(specs: dict, mesh) -> None:
+    """Every sharded axis divides over the mesh (a quantized matrix split along its input
+    needs whole groups on each device)."""
+    from jaxllm.parallel import spec as pspec
+    if mesh.size == 1:
+        return
+    for name, s in specs.items():
+        for dim, axis in zip(s.shape, pspec(*s.axes)):
+            if axis is not None and dim % mesh.size:
+                raise ValueError(f"{name} has {dim} entries along a tensor-parallel axis, not "
+                                 f"divisible by tensor_parallel_size={mesh.size} (with quantized "
+                                 "weights each device needs whole groups; choose another size)")
+
+
+def quant_backend(mesh) -> str:
+    """Where quantized matmuls run: the CPU kernels on a one-device CPU mesh when they build,
+    the Pallas kernel for group-quantized weights on one GPU; XLA's dots elsewhere (a custom
+    call cannot be split by XLA's sharding). JAXLLM_QUANT_BACKEND overrides it (tests)."""
+    from jaxllm.parallel import platform_of
+    forced = os.environ.get("JAXLLM_QUANT_BACKEND")
+    if forced:
+        return forced
+    platform = platform_of(mesh)
+    if platform == "cpu" and mesh.size == 1 and os.environ.get("JAXLLM_CPU_KERNELS", "1") != "0":
+        from jaxllm.quantization import cpu
+        if cpu.available():
+            return "cpu"
+    if platform == "gpu" and mesh.size == 1:
+        return "pallas"
+    return "xla"
+
+
 def load_model(model: str | None, policy, load_format: str = "auto", seed: int = 0,
                tokenizer: str | None = None, attention_backend: str = "xla",
-               load_tokenizer: bool = True, mesh=None) -> LoadedModel:
+               load_tokenizer: bool = True, mesh=None, quantization: str | None = None) -> LoadedModel:
     """Read a checkpoint (or make random weights with load_format="dummy") straight into the
     shards of `mesh` (default: a mesh of the first device). With tensor parallelism the
     model's shapes are padded / repeated per jaxllm.parallel.plan; each device receives only
-    its slice of every tensor. `policy` is a DTypePolicy (or one dtype for everything)."""
-    from jaxllm.parallel import make_mesh, plan, runtime_arch
+    its slice of every tensor. `policy` is a DTypePolicy (or one dtype for everything);
+    `quantization` a method of jaxllm.quantization (None: as the checkpoint ships)."""
+    from jaxllm.parallel import make_mesh, plan, platform_of, runtime_arch
 
     if not isinstance(policy, DTypePolicy):
         policy = uniform_policy(policy)
+    qmethods.validate_method(quantization)
     mesh = mesh if mesh is not None else make_mesh(1)
     path = resolve_model_path(model)
-    gguf_file = _gguf_file(path)
     dummy = load_format == "dummy"
-    ckpt_arch, weights = _read_weights(path, gguf_file, dummy, policy)
-    tp = plan(ckpt_arch, mesh.size)
-    arch = runtime_arch(ckpt_arch, tp)
-    cls = get_model_class(arch.architecture)
-    graphdef, abstract_state, shardings = abstract_model(arch, policy, attention_backend, mesh)
+    is_orbax = orbax.is_orbax_checkpoint(path)
+    gguf_file = None if is_orbax else _gguf_file(path)
+    tok_future = None
+    if load_tokenizer:
+        if is_orbax:
+            # imported here, not by both threads at once
+            importlib.import_module("orbax.checkpoint")
+        # importing transformers and reading the tokenizer take a second or more: overlap them
+        # with reading the weights (file reads and copies, mostly outside the GIL)
+        pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+        tok_future = pool.submit(_load_tokenizer, tokenizer or path, None if tokenizer else gguf_file)
+        pool.shutdown(wait=False)
+    ckpt_arch, weights, tokenless = None, None, False
+    if is_orbax:
+        # the engine's own layout, restored into the mesh's shardings as it is
+        meta = orbax.read_metadata(path)
+        orbax.check_compatible(meta, path, mesh.size, quantization)
+        quant = orbax.quant_spec(meta, quant_backend(mesh))
+        if quant is not None and quant.backend == "cpu":
+            from jaxllm.quantization import cpu
+            cpu.prepare_async()  # the kernels build while the weights load
+        if dummy:
+            arch = ArchConfig(**meta["architecture"])
+        else:
+            arch, graphdef, state, meta = orbax.restore(path, policy, attention_backend, mesh, quant)
+        # converted from a bare config.json: token-id prompts only, as with load_format="dummy"
+        tokenless = not meta.get("tokenizer", True)
+        cls = get_model_class(arch.architecture)
+    else:
+        if platform_of(mesh) == "cpu" and quantization not in (None, "none"):
+            from jaxllm.quantization import cpu
+            cpu.prepare_async()  # the kernels build while the weights load
+        read = _read_weights(path, gguf_file, dummy, policy, quantization)
+        method = resolve_method(quantization, read.method, path)
+        if dummy and method in qmethods.CHECKPOINT_METHODS:
+            if quantization is not None:
+                raise ValueError(f"load_format='dummy' cannot make {method} weights; use int4 or int8")
+            method = None  # random float weights of the checkpoint's shapes
+        ckpt_arch, weights = read.arch, read.weights
+        tp = plan(ckpt_arch, mesh.size)
+        arch = runtime_arch(ckpt_arch, tp)
+        cls = get_model_class(arch.architecture)
+        layouts = {}
+        if method in qmethods.ONLINE_METHODS:
+            specs = cls.param_specs(ckpt_arch)
+            if dummy:
+                layouts = {n: lay for n, s in specs.items()
+                           if (lay := qmethods.online_layout(method, n, s)) is not None}
+            else:
+                weights, layouts = qmethods.quantize_online(weights, specs, method)
+        elif weights is not None:
+            layouts = {n: qmethods.layout_of(h, read.act if cls.param_specs(ckpt_arch)[n].matrix == "in_out" else "none")
+                       for n, h in weights.items() if isinstance(h, HostQuant)}
+            if read.act != "none":  # an activation-quantized head or embedding stays weight-only
+                layouts = {n: (lay if n not in ("embed_tokens", "lm_head")
+                               else qmethods.QuantLayout(lay.kind, lay.group, lay.offset))
+                           for n, lay in layouts.items()}
+        if weights is not None:  # float16 scales where exact (fewer bytes per step)
+            weights = {k: v.compact() if isinstance(v, HostQuant) else v for k, v in weights.items()}
+            layouts = {k: replace(lay, scale_dtype=weights[k].scale.dtype.name) for k, lay in layouts.items()}
+        quant = None
+        if layouts:
+            quant = qmethods.QuantSpec(method, tuple(sorted(layouts.items())), quant_backend(mesh))
+            _check_shardable(qmethods.quantized_specs(cls.param_specs(arch), quant), mesh)
+    if dummy or weights is not None:
+        graphdef, abstract_state, shardings = abstract_model(arch, policy, attention_backend, mesh, quant)
     if dummy:
         # random weights of real shapes, each device making only its own shards
         def init():
             return nnx.split(cls(arch, policy, rngs=nnx.Rngs(seed),
-                                 attention_backend=attention_backend, mesh=mesh))[1]
+                                 attention_backend=attention_backend, mesh=mesh, quant=quant))[1]
         state = jax.jit(init, out_shardings=shardings)()
-    else:
-        weights = cls.tp_transform(weights, ckpt_arch, tp)
+    elif weights is not None:
+        weights = _quant_tp(weights, cls, ckpt_arch, tp, list(layouts))
+        weights = cls.tp_transform({k: v for k, v in weights.items() if not isinstance(v, HostQuant)},
+                                   ckpt_arch, tp) | {k: v for k, v in weights.items() if isinstance(v, HostQuant)}
+
+        def array(name: str):
+            if name in weights:
+                return weights[name]
+            base, part = name.rsplit(".", 1)
+            return getattr(weights[base], part)
 
         def fill(path_keys, leaf, shard):
-            w = weights[_param_name(path_keys)]
+            w = array(_param_name(path_keys))
             return jax.make_array_from_callback(w.shape, shard, lambda idx: np.asarray(w[idx], leaf.dtype))
 
         state = jax.tree_util.tree_map_with_path(fill, abstract_state, shardings)
     tok = None
-    if load_tokenizer:
+    if tok_future is not None:
         try:
-            tok = _load_tokenizer(tokenizer or path, None if tokenizer else gguf_file)
+            tok = tok_future.result()
         except (OSError, ValueError) as e:
-            if not dummy:
+            if not (dummy or tokenless):
                 raise ValueError(f"cannot load the tokenizer of {path}: {e}") from e
             # a bare config.json of real shapes: token-id prompts only
             logger.warning("no tokenizer for %s (%s); prompts must be token ids", path, e)
@@ -206,6 +409,15 @@ def load_model(model: str | None, policy, load_format: str = "auto", seed: int =
         eos = eos[0] if eos else None
     if eos is None and tok is not None:
         eos = tok.eos_token_id
-    logger.info("loaded %s (%d layers) from %s; dtype policy %s", arch.architecture,
-                arch.num_layers, path, policy.describe())
-    return LoadedModel(path, arch, graphdef, state, tok, eos, mesh)
+    logger.info("loaded %s (%d layers) from %s; dtype policy %s; weights %.1f MiB%s", arch.architecture,
+                arch.num_layers, path, policy.describe(), qmethods.weight_bytes(state) / 2**20,
+                "" if quant is None else f" ({describe_quant(quant)})")
+    return LoadedModel(path, arch, graphdef, state, tok, eos, mesh, quant)
+
+
+def describe_quant(quant: qmethods.QuantSpec) -> str:
+    kinds = sorted({f"{lay.kind} g{lay.group}"
+                    + ("" if lay.act == "none" else f" x {lay.act} activations")
+                    for _, lay in quant.layouts})
+    return (f"quantization {quant.method}: {len(quant.layouts)} matrices as {', '.join(kinds)}; "
+            + {"cpu": "CPU kernels", "pallas": "Pallas kernel"}.get(quant.backend, "XLA dots"))

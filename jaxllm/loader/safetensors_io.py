@@ -11,7 +11,7 @@ import numpy as np
 _DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
     "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
-    "BOOL": np.bool_,
+    "BOOL": np.bool_, "F8_E4M3": ml_dtypes.float8_e4m3fn,
 }
 
 

@@ -23,6 +23,8 @@ from jaxllm.layers.rotary import apply_rope, rope_inv_freq, rope_mscale
 from jaxllm.models.arch import ArchConfig
 from jaxllm.models.base import ParamSpec, Target, WeightMap
 from jaxllm.parallel import platform_of
+from jaxllm.quantization import QuantSpec, quantized_specs
+from jaxllm.quantization.qweight import QWeight, embed_rows
 
 
 def _hf_layer(fused_in_checkpoint: bool) -> dict[str, Target]:
@@ -126,15 +128,16 @@ class LlamaForCausalLM(nnx.Module):
         norm = dict(init="ones", role="activation")
         bias = dict(init="zeros", role="activation")
         specs = {
-            "embed_tokens": ParamSpec((V, E), ("vocab", "embed")),
+            "embed_tokens": ParamSpec((V, E), ("vocab", "embed"), matrix="out_in"),
             "norm": ParamSpec((E,), ("embed",), **norm),
             "layers.input_norm": ParamSpec((L, E), ("layers", "embed"), **norm),
             # the fused axes are sharded whole: device_major puts each device's part together
-            "layers.wqkv": ParamSpec((L, E, (H + 2 * K) * D), ("layers", "embed", "heads")),
-            "layers.wo": ParamSpec((L, H * D, E), ("layers", "heads", "embed")),
+            "layers.wqkv": ParamSpec((L, E, (H + 2 * K) * D), ("layers", "embed", "heads"),
+                                     matrix="in_out"),
+            "layers.wo": ParamSpec((L, H * D, E), ("layers", "heads", "embed"), matrix="in_out"),
             "layers.post_norm": ParamSpec((L, E), ("layers", "embed"), **norm),
-            "layers.w_gate_up": ParamSpec((L, E, 2 * F), ("layers", "embed", "mlp")),
-            "layers.w_down": ParamSpec((L, F, E), ("layers", "mlp", "embed")),
+            "layers.w_gate_up": ParamSpec((L, E, 2 * F), ("layers", "embed", "mlp"), matrix="in_out"),
+            "layers.w_down": ParamSpec((L, F, E), ("layers", "mlp", "embed"), matrix="in_out"),
         }
         if cfg.qkv_bias:
             specs["layers.bqkv"] = ParamSpec((L, (H + 2 * K) * D), ("layers", "heads"), **bias)
@@ -147,7 +150,7 @@ class LlamaForCausalLM(nnx.Module):
             specs["layers.q_norm"] = ParamSpec((L, D), ("layers", "head_dim"), **norm)
             specs["layers.k_norm"] = ParamSpec((L, D), ("layers", "head_dim"), **norm)
         if not cfg.tie_word_embeddings:
-            specs["lm_head"] = ParamSpec((E, V), ("embed", "vocab"))
+            specs["lm_head"] = ParamSpec((E, V), ("embed", "vocab"), matrix="in_out")
         return specs
 
     @classmethod
@@ -182,16 +185,17 @@ class LlamaForCausalLM(nnx.Module):
         for name in ("layers.w_gate_up", "layers.b_gate_up"):
             if name in out:
                 out[name] = device_major([pad_last(p, plan.mlp_pad) for p in parts(name)], tp)
-        if plan.mlp_pad:
+        if plan.mlp_pad and "layers.w_down" in out:
             out["layers.w_down"] = np.pad(out["layers.w_down"], ((0, 0), (0, plan.mlp_pad), (0, 0)))
-        if plan.vocab_pad:
+        if plan.vocab_pad and "embed_tokens" in out:
             out["embed_tokens"] = np.pad(out["embed_tokens"], ((0, plan.vocab_pad), (0, 0)))
             if "lm_head" in out:
                 out["lm_head"] = pad_last(out["lm_head"], plan.vocab_pad)
         return out
 
     def __init__(self, cfg: ArchConfig, policy: DTypePolicy | None = None, *, rngs: nnx.Rngs,
-                 attention_backend: str = "xla", mesh=None, scan_layers: bool | None = None):
+                 attention_backend: str = "xla", mesh=None, scan_layers: bool | None = None,
+                 quant: QuantSpec | None = None):
         self.cfg = cfg
         self.policy = policy = policy or uniform_policy(jnp.float32)
         self.attention_backend = attention_backend
@@ -199,10 +203,17 @@ class LlamaForCausalLM(nnx.Module):
         if scan_layers is None:
             scan_layers = platform_of(mesh) != "gpu"
         self.scan_layers = scan_layers
+        self.quant = quant
         specs = self.param_specs(cfg)
+        full = quantized_specs(specs, quant)
 
         def param(name):
-            return nnx.Param(specs[name].initial(rngs.params(), specs[name].dtype(policy)))
+            layout = quant.get(name) if quant is not None else None
+            if layout is not None:  # a quantized matrix: its parts
+                parts = {k.rsplit(".", 1)[1]: nnx.Param(full[k].initial(rngs.params(), full[k].dtype_for(policy)))
+                         for k in full if k.startswith(name + ".")}
+                return QParam(parts, layout.act, quant.backend)
+            return nnx.Param(specs[name].initial(rngs.params(), specs[name].dtype_for(policy)))
 
         self.embed_tokens = param("embed_tokens")
         self.layers = _Layers({k.split(".", 1)[1]: param(k) for k in specs if k.startswith("layers.")})
@@ -211,7 +222,13 @@ class LlamaForCausalLM(nnx.Module):
 
     def compute_logits(self, h: jax.Array) -> jax.Array:
         """Final-normed hidden states [N, E] -> logits [N, V] in f32."""
-        head = self.embed_tokens[...].T if self.lm_head is None else self.lm_head[...]
+        head = self.lm_head if self.lm_head is not None else self.embed_tokens
+        if isinstance(head, QParam):  # quantized matrices are out-major: the table itself
+            head = head.weight()
+        elif self.lm_head is None:
+            head = head[...].T
+        else:
+            head = head[...]
         logits = linear(h, head, self.policy).astype(jnp.float32)
         return logits[:, :self.cfg.vocab_size] if self.cfg.vocab_pad else logits
 
@@ -229,7 +246,10 @@ class LlamaForCausalLM(nnx.Module):
         eps = cfg.rms_norm_eps
         inv_freq, mscale = self.rope()
         scale = D ** -0.5
-        x = self.embed_tokens[...][input_ids].astype(pol.activation)
+        if isinstance(self.embed_tokens, QParam):
+            x = embed_rows(self.embed_tokens.weight(), input_ids, pol.activation)
+        else:
+            x = self.embed_tokens[...][input_ids].astype(pol.activation)
 
         def layer(carry, w):
             x, kv, i = carry
@@ -250,21 +270,50 @@ class LlamaForCausalLM(nnx.Module):
             return (x, kv, i + 1), None
 
         weights = self.layers.weights()
+        # quantized stacks are read in place at the layer's index (quantization.qweight)
+        stacked = {k: w for k, w in weights.items() if not isinstance(w, QWeight)}
+        quantized = {k: w for k, w in weights.items() if isinstance(w, QWeight)}
+
+        def layer_of(carry, w):
+            return layer(carry, {**w, **{k: q.at(carry[2]) for k, q in quantized.items()}})
+
         if self.scan_layers:
-            (x, kv_cache, _), _ = jax.lax.scan(layer, (x, kv_cache, jnp.int32(0)), weights)
+            (x, kv_cache, _), _ = jax.lax.scan(layer_of, (x, kv_cache, jnp.int32(0)), stacked)
         else:
             for i in range(cfg.num_layers):
                 (x, kv_cache, _), _ = layer((x, kv_cache, jnp.int32(i)),
-                                            {k: w[i] for k, w in weights.items()})
+                                            {**{k: w[i] for k, w in stacked.items()},
+                                             **{k: q.at(i) for k, q in quantized.items()}})
         return rms_norm(x, self.norm[...], eps), kv_cache
 
 
 class _Layers(nnx.Module):
     """All decoder layers, each weight stacked over the layer axis."""
 
-    def __init__(self, params: dict[str, nnx.Param]):
+    def __init__(self, params: dict):
         for name, p in params.items():
             setattr(self, name, p)
 
-    def weights(self) -> dict[str, jax.Array]:
-        return {k: v[...] for k, v in vars(self).items() if isinstance(v, nnx.Param)}
+    def weights(self) -> dict:
+        """Float stacks as arrays, quantized ones as QWeights (no layer chosen)."""
+        out = {}
+        for k, v in vars(self).items():
+            if isinstance(v, nnx.Param):
+                out[k] = v[...]
+            elif isinstance(v, QParam):
+                out[k] = v.weight()
+        return out
+
+
+class QParam(nnx.Module):
+    """A quantized matrix (or stack of them): its parts q, scale (offset, smooth) as Params."""
+
+    def __init__(self, parts: dict[str, nnx.Param], act: str, backend: str):
+        for name, p in parts.items():
+            setattr(self, name, p)
+        self.act, self.backend = act, backend
+
+    def weight(self) -> QWeight:
+        part = (lambda n: getattr(self, n)[...] if hasattr(self, n) else None)
+        return QWeight(part("q"), part("scale"), part("offset"), part("smooth"),
+                       act=self.act, backend=self.backend)

@@ -16,7 +16,7 @@ import numpy as np
 logger = logging.getLogger("jaxllm")
 
 # operations
-INIT, STEP, SET_ROWS, COPY, STOP = range(5)
+INIT, STEP, SET_ROWS, COPY, STOP, SAMPLE = range(6)
 _HEADER = 4
 
 

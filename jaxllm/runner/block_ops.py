@@ -2,7 +2,9 @@
 
 Blocks move in fixed-size groups so that two small jitted functions (a gather and a donated
 scatter) compiled at start-up serve any number of blocks. Padded entries gather the null
-block and scatter out of bounds, which drops them.
+block and scatter out of bounds, which drops them. The cache may be one array or several
+(a quantized cache's values and scales: jaxllm.quantization.kv); every array has the slot
+axis third, [layers, 2, kv_heads, slots, ...], and moves the same way.
 """
 from __future__ import annotations
 
@@ -18,23 +20,30 @@ def _slots(blocks: jax.Array, block_size: int) -> jax.Array:
 
 
 class BlockOps:
-    def __init__(self, kv_shape: tuple[int, ...], dtype, block_size: int, num_host_blocks: int,
-                 kv_sharding=None):
-        L, two, KVH, num_slots, D = kv_shape
+    def __init__(self, cache_like, block_size: int, num_host_blocks: int, kv_sharding=None):
+        """cache_like: the cache, or its ShapeDtypeStructs."""
+        leaves, self._treedef = jax.tree.flatten(cache_like)
+        self._leaves = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
+        L, two, KVH, num_slots = self._leaves[0].shape[:4]
         self.block_size = block_size
         self.num_slots = num_slots
-        # host copies of blocks, one row per host block: [L, 2, KVH, block_size, D]
-        self.host = np.zeros((num_host_blocks, L, two, KVH, block_size, D),
-                             dtype=np.dtype(jnp.dtype(dtype))) if num_host_blocks else None
         bs = block_size
+        # host copies of blocks, one row per host block: [L, 2, KVH, block_size, ...] per array
+        self.host = [np.zeros((num_host_blocks, L, two, KVH, bs, *x.shape[4:]),
+                              dtype=np.dtype(x.dtype)) for x in self._leaves] if num_host_blocks else None
 
-        def gather(cache, blocks):  # -> [GROUP, L, 2, KVH, bs, D]
-            g = cache[:, :, :, _slots(blocks, bs)].reshape(L, two, KVH, GROUP, bs, D)
-            return g.transpose(3, 0, 1, 2, 4, 5)
+        def gather(cache, blocks):  # -> per array [GROUP, L, 2, KVH, bs, ...]
+            def one(a):
+                g = a[:, :, :, _slots(blocks, bs)]
+                g = g.reshape(L, two, KVH, GROUP, bs, *a.shape[4:])
+                return jnp.moveaxis(g, 3, 0)
+            return jax.tree.map(one, cache)
 
         def scatter(cache, blocks, values):
-            vals = values.transpose(1, 2, 3, 0, 4, 5).reshape(L, two, KVH, GROUP * bs, D)
-            return cache.at[:, :, :, _slots(blocks, bs)].set(vals, mode="drop")
+            def one(a, v):
+                v = jnp.moveaxis(v, 0, 3).reshape(L, two, KVH, GROUP * bs, *a.shape[4:])
+                return a.at[:, :, :, _slots(blocks, bs)].set(v, mode="drop")
+            return jax.tree.map(one, cache, values)
 
         def copy(cache, src, dst):
             return scatter(cache, dst, gather(cache, src))
@@ -43,17 +52,19 @@ class BlockOps:
         self._gather = jax.jit(gather)
         self._scatter = jax.jit(scatter, donate_argnums=(0,), out_shardings=kv_sharding)
         self._copy = jax.jit(copy, donate_argnums=(0,), out_shardings=kv_sharding)
-        self._shape = kv_shape
-        self._dtype = dtype
         self._kv_sharding = kv_sharding
 
     def compile(self) -> None:
         kv = self._kv_sharding
-        rep = None if kv is None else jax.sharding.NamedSharding(kv.mesh, jax.sharding.PartitionSpec())
-        cache = jax.ShapeDtypeStruct(self._shape, self._dtype, sharding=kv)
+        sh = jax.tree.leaves(kv) if kv is not None else [None] * len(self._leaves)
+        mesh = sh[0].mesh if sh[0] is not None else None
+        rep = None if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        cache = jax.tree.unflatten(self._treedef, [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+                                                   for x, s in zip(self._leaves, sh)])
         idx = jax.ShapeDtypeStruct((GROUP,), jnp.int32, sharding=rep)
-        L, two, KVH, _, D = self._shape
-        vals = jax.ShapeDtypeStruct((GROUP, L, two, KVH, self.block_size, D), self._dtype, sharding=rep)
+        vals = jax.tree.unflatten(self._treedef, [
+            jax.ShapeDtypeStruct((GROUP, *x.shape[:3], self.block_size, *x.shape[4:]), x.dtype, sharding=rep)
+            for x in self._leaves])
         self._copy = self._copy.lower(cache, idx, idx).compile()
         if self.host is not None:
             self._gather = self._gather.lower(cache, idx).compile()
@@ -71,14 +82,15 @@ class BlockOps:
     def swap_out(self, cache, pairs: list[tuple[int, int]]):
         """(device block, host block) pairs: device contents land in host memory."""
         for n, src, dst in self._groups(pairs, 0, 0):
-            self.host[dst[:n]] = np.asarray(self._gather(cache, src))[:n]
+            for host, vals in zip(self.host, jax.tree.leaves(self._gather(cache, src))):
+                host[dst[:n]] = np.asarray(vals)[:n]
         return cache
 
     def swap_in(self, cache, pairs: list[tuple[int, int]]):
         """(host block, device block) pairs."""
         oob = self.num_slots // self.block_size  # scatters past the cache: dropped
         for n, src, dst in self._groups(pairs, 0, oob):
-            vals = self.host[src]
+            vals = jax.tree.unflatten(self._treedef, [host[src] for host in self.host])
             cache = self._scatter(cache, dst, vals)
         return cache
 

@@ -1,7 +1,8 @@
 """Padded step shapes: token counts T and sequence counts S from short fixed lists.
 
-Token buckets are powers of two up to `linear_from`, then multiples of it. For each T only
-sequence buckets between T/`seq_ratio` and T are compiled: padding a step with many tokens
+Token buckets are powers of two up to `linear_from`, then multiples of it (and, on a CPU,
+square decode shapes below the smallest). For each T only sequence buckets between
+T/`seq_ratio` and T are compiled: padding a step with many tokens
 to more sequence rows costs only the rows' logits and sampling, a few percent of the step,
 while every extra pair costs a compilation at every start.
 """
@@ -32,10 +33,15 @@ def pick(buckets: list[int], n: int) -> int:
 
 
 class StepShapes:
-    def __init__(self, token_buckets: list[int], seq_buckets: list[int], seq_ratio: int = 8):
-        self.token_buckets = token_buckets
+    def __init__(self, token_buckets: list[int], seq_buckets: list[int], seq_ratio: int = 8,
+                 decode_buckets: list[int] = ()):
+        """decode_buckets: token counts below the smallest token bucket compiled only as
+        (t tokens, t sequences), the shape of a small decode batch (on a CPU a step costs in
+        proportion to its padded tokens; a GPU pads for free)."""
+        small = [t for t in decode_buckets if t < token_buckets[0] and t in seq_buckets]
+        self.token_buckets = small + token_buckets
         self.seq_buckets = seq_buckets
-        self.seqs_for: dict[int, list[int]] = {}
+        self.seqs_for: dict[int, list[int]] = {t: [t] for t in small}
         for t in token_buckets:
             fits = [s for s in seq_buckets if s <= t]
             lo = min(t // seq_ratio, fits[-1])

@@ -1,10 +1,16 @@
-"""The JAX side: host-side input preparation, the KV-cache array and ONE jitted step.
+"""The JAX side: host-side input preparation, the KV-cache array and the jitted step.
 
-Every (tokens, seqs) bucket is compiled ahead of time at start-up; a step whose padded shape
-has no compiled executable is a bug, not a reason to compile.
+A step is two jitted calls launched back to back: the forward pass (the model, the logits of
+the rows that sample, prompt logprobs) and sampling. Between the two the host may compute
+what sampling needs that depends on the previous step's tokens: structured outputs' token
+bitmask, while the device runs the forward pass. Every (tokens, seqs) bucket of the forward
+pass and every seqs bucket of sampling is compiled ahead of time at start-up (the sampler once
+per seqs bucket, not once per pair); a step whose padded shape has no compiled executable is a
+bug, not a reason to compile.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -24,11 +30,12 @@ from jaxllm.layers.attention import AttentionMetadata, kv_chunk, max_tiles, q_ti
 from jaxllm.models import get_model_class
 from jaxllm.parallel import make_mesh, platform_of, sharding
 from jaxllm.parallel import multiprocess as mp
+from jaxllm.quantization import kv as kvq
 from jaxllm.runner.block_ops import BlockOps
 from jaxllm.runner.buckets import StepShapes, make_buckets
 from jaxllm.runner.input_batch import COLUMNS, InputBatch
-from jaxllm.runner.rejection_sampler import (SpecState, VerifyMetadata, VerifyOutput, init_spec_state,
-                                             no_verify, num_verify_rows, verify)
+from jaxllm.runner.rejection_sampler import (VerifyMetadata, VerifyOutput, init_spec_state, no_verify,
+                                             num_verify_rows, verify)
 from jaxllm.sampling_params import GREEDY_EPS
 from jaxllm.runner.sampler import (MAX_BANNED, MAX_LOGPROBS, SamplerOutput, SamplingMetadata,
                                    init_state, prompt_logprobs, sample, set_rows)
@@ -40,9 +47,15 @@ def kv_cache_shape(arch, num_blocks: int, block_size: int) -> tuple[int, ...]:
     return (arch.num_layers, 2, arch.num_kv_heads, num_blocks * block_size, arch.head_dim)
 
 
-def kv_bytes_per_block(arch, block_size: int, dtype) -> int:
-    return (arch.num_layers * 2 * block_size * arch.num_kv_heads * arch.head_dim
-            * jnp.dtype(dtype).itemsize)
+def kv_bytes_per_block(arch, block_size: int, dtype, kv_cache_dtype: str = "auto") -> int:
+    per_value = kvq.bytes_per_value(dtype, kv_cache_dtype, arch.head_dim)
+    return int(arch.num_layers * 2 * block_size * arch.num_kv_heads * arch.head_dim * per_value)
+
+
+def kv_cache_sharding(mesh, arch, cache):
+    """The cache's shardings, shaped like the cache, from the model's KV axes."""
+    axes = kvq.cache_axes(get_model_class(arch.architecture).KV_CACHE_AXES, cache)
+    return jax.tree.map(lambda a: sharding(mesh, *a), axes, is_leaf=lambda x: isinstance(x, tuple))
 
 
 def table_width(max_model_len: int, block_size: int) -> int:
@@ -119,21 +132,21 @@ def _host(x) -> np.ndarray:
     return np.asarray(x if x.is_fully_addressable else x.addressable_data(0))
 
 
-def build_step(graphdef, vocab: int, state_sharding, kv_sharding, replicated, num_spec: int = 0,
-               spec_probabilistic: bool = False):
-    """The one jitted engine step: the model over the flat batch, the logits of the rows that
-    sample, sampling, and prompt logprobs when asked for. The cache and sampler state are
-    donated; the sampled tokens also stay in the sampler state for the next step.
+def build_forward(graphdef, vocab: int, state_sharding, kv_sharding, replicated,
+                  num_spec: int = 0):
+    """The step's forward pass: the model over the flat batch, the logits of the rows that
+    sample, and prompt logprobs when asked for. The cache is donated. A token the previous
+    step sampled and the host does not know yet (async scheduling: -1) is taken from the
+    sampler state on the device.
 
-    With speculative decoding (num_spec = k > 0) the step also takes the verified positions
-    (VerifyMetadata) and the proposals a draft model left on the device (SpecState), verifies
-    them by rejection sampling and emits up to k + 1 tokens per sequence (VerifyOutput)."""
+    With speculative decoding (num_spec = k > 0) it also takes the verified positions
+    (VerifyMetadata) and the proposals a draft model left on the device (SpecState: -2 - j in
+    the input ids is proposal j), and returns what verification needs: the raw logits at the
+    verified positions, the proposals they score, and the step's input ids as resolved."""
 
-    def step(state, kv_cache, sampler_state, input_ids, md, logits_indices, smd, vmd=None,
-             spec_state=None):
+    def forward(state, kv_cache, sampler_state, input_ids, md, logits_indices, smd, vmd=None,
+                spec_state=None):
         model = nnx.merge(graphdef, state)
-        # -1: the token the previous step sampled for this row, which the host does not know
-        # yet (async scheduling); it waits on the device. -2 - j: a draft model's proposal j
         rows = smd.rows[md.token_seq_ids]
         from_device = sampler_state.last_token[rows]
         if num_spec:
@@ -142,7 +155,6 @@ def build_step(graphdef, vocab: int, state_sharding, kv_sharding, replicated, nu
         input_ids = jnp.where(input_ids < 0, from_device, input_ids)
         hidden, kv_cache = model(kv_cache, input_ids, md)
         logits = model.compute_logits(hidden[logits_indices])
-        base, sampler_state = sample(logits, smd, sampler_state)
         T, k = hidden.shape[0], min(MAX_LOGPROBS, vocab)
         zeros = (jnp.zeros(T, jnp.float32), jnp.zeros(T, jnp.int32),
                  jnp.zeros((T, k), jnp.int32), jnp.zeros((T, k), jnp.float32))
@@ -152,11 +164,41 @@ def build_step(graphdef, vocab: int, state_sharding, kv_sharding, replicated, nu
                                       md.query_start_loc[-1], vocab),
             lambda h: zeros, hidden)
         if not num_spec:
-            return SamplerOutput(*base, *plp), kv_cache, sampler_state
+            return logits.astype(jnp.float32), plp, kv_cache
+        R = vmd.token_idx.shape[0]
+        raw_v = jax.lax.cond(
+            vmd.any_spec,
+            lambda h: model.compute_logits(h[vmd.token_idx]).astype(jnp.float32),
+            lambda h: jnp.zeros((R, vocab), jnp.float32), hidden)
+        drafts = input_ids[vmd.token_idx + 1]  # each proposal follows the token that scores it
+        return logits.astype(jnp.float32), plp, kv_cache, (raw_v, drafts, input_ids)
+
+    rep = replicated
+    extra = (rep, rep) if num_spec else ()
+    outs = (rep, rep, kv_sharding) + ((rep,) if num_spec else ())
+    return jax.jit(forward, donate_argnums=(1,),
+                   in_shardings=(state_sharding, kv_sharding, rep, rep, rep, rep, rep) + extra,
+                   out_shardings=outs)
+
+
+def build_sample(replicated, num_spec: int = 0, spec_probabilistic: bool = False):
+    """The step's sampling over the forward pass's logits, under a token bitmask when
+    `use_mask` (structured outputs). The sampler state is donated; the sampled tokens also
+    stay in it for the next step.
+
+    With speculative decoding it also takes the forward pass's raw logits at the verified
+    positions and their proposals (raw_v [R, V], drafts [R]), the VerifyMetadata and the
+    SpecState, verifies the proposals by rejection sampling and emits up to k + 1 tokens per
+    sequence: (tokens [S, k+1], num_tokens [S], logprob stats [S, k+1, ...])."""
+
+    def sample_step(logits, sampler_state, smd, bitmask, use_mask, raw_v=None, drafts=None,
+                    vmd=None, spec_state=None):
+        base, sampler_state = sample(logits, smd, sampler_state, bitmask, use_mask)
+        if not num_spec:
+            return base, sampler_state
 
         def with_drafts(sampler_state):
-            raw = model.compute_logits(hidden[vmd.token_idx])
-            return verify(raw, input_ids, base, smd, vmd, sampler_state, spec_state, num_spec,
+            return verify(raw_v, drafts, base, smd, vmd, sampler_state, spec_state, num_spec,
                           spec_probabilistic)
 
         def without(sampler_state):
@@ -164,13 +206,24 @@ def build_step(graphdef, vocab: int, state_sharding, kv_sharding, replicated, nu
 
         tokens, num, stats, sampler_state = jax.lax.cond(vmd.any_spec, with_drafts, without,
                                                          sampler_state)
-        return VerifyOutput(tokens, num, *stats, *plp, input_ids), kv_cache, sampler_state
+        return (tokens, num, *stats), sampler_state
 
     rep = replicated
-    extra = (rep, rep) if num_spec else ()
-    return jax.jit(step, donate_argnums=(1, 2),
-                   in_shardings=(state_sharding, kv_sharding, rep, rep, rep, rep, rep) + extra,
-                   out_shardings=(rep, kv_sharding, rep))
+    return jax.jit(sample_step, donate_argnums=(1,), in_shardings=rep, out_shardings=(rep, rep))
+
+
+def sampling_only(smd):
+    """The sampling metadata sampling reads: without the [T] prompt-logprob ids, so that the
+    sampler compiles once per seqs bucket."""
+    return dataclasses.replace(smd, next_ids=None)
+
+
+def step_scratch_bytes(forward_exe, sample_exe, S: int, vocab: int) -> int:
+    """Scratch memory of a step from its compiled calls: the larger of the two, plus the
+    logits that live from one to the other."""
+    def temp(exe):
+        return int(getattr(exe.memory_analysis(), "temp_size_in_bytes", 0) or 0)
+    return max(temp(forward_exe), temp(sample_exe)) + S * vocab * 4
 
 
 def step_compiler_options(platform: str) -> dict | None:
@@ -200,17 +253,33 @@ def abstract_step_inputs(T: int, S: int, block_size: int, max_blocks_per_seq: in
         *[sds((), b)] * 8)
     if not num_spec:
         return sds((T,), i32), md, sds((S,), i32), smd
-    R = num_verify_rows(T, S, num_spec)
-    vmd = VerifyMetadata(sds((R,), i32), sds((R,), i32), sds((R,), i32), sds((R,), b),
-                         sds((S,), i32), sds((S,), b), sds((), b), sds((), b))
+    vmd = abstract_verify_metadata(num_verify_rows(T, S, num_spec), S)
     return sds((T,), i32), md, sds((S,), i32), smd, vmd
+
+
+def abstract_verify_metadata(R: int, S: int) -> VerifyMetadata:
+    i32, b, sds = jnp.int32, jnp.bool_, jax.ShapeDtypeStruct
+    return VerifyMetadata(sds((R,), i32), sds((R,), i32), sds((R,), i32), sds((R,), b),
+                          sds((S,), i32), sds((S,), b), sds((), b), sds((), b))
+
+
+def abstract_sample_inputs(S: int, vocab: int, smd):
+    """Shapes of sampling's inputs after the sampler state: logits, sampling metadata (as
+    sampling_only gives it), bitmask, use_mask."""
+    sds = jax.ShapeDtypeStruct
+    return (sds((S, vocab), jnp.float32), sampling_only(smd),
+            sds((S, bitmask_words(vocab)), jnp.int32), sds((), jnp.bool_))
+
+
+def bitmask_words(vocab: int) -> int:
+    return -(-vocab // 32)
 
 
 class ModelRunner:
     def __init__(self, loaded, dtype, num_blocks: int, block_size: int, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, num_host_blocks: int = 0,
-                 attention_backend: str = "xla", num_spec_tokens: int = 0,
-                 spec_probabilistic: bool = False):
+                 attention_backend: str = "xla", kv_cache_dtype: str = "auto",
+                 num_spec_tokens: int = 0, spec_probabilistic: bool = False):
         self.arch = loaded.arch
         self.attention_backend = attention_backend
         self.graphdef = loaded.graphdef
@@ -222,21 +291,29 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_blocks_per_seq = table_width(max_model_len, block_size)
-        self.shapes = StepShapes(
-            make_buckets(min(16, max_num_batched_tokens), max_num_batched_tokens, linear_from=1024),
-            make_buckets(1, max_num_seqs))
         # one device is a mesh of one: the same sharded code path
         self.mesh = loaded.mesh if loaded.mesh is not None else make_mesh(1)
-        self.kv_sharding = sharding(self.mesh, *get_model_class(self.arch.architecture).KV_CACHE_AXES)
+        # on a CPU a step's cost follows its padded tokens: small decode batches get shapes
+        # of their own instead of padding to 16 tokens
+        decode = [1, 2, 4, 8] if platform_of(self.mesh) == "cpu" else []
+        self.shapes = StepShapes(
+            make_buckets(min(16, max_num_batched_tokens), max_num_batched_tokens, linear_from=1024),
+            make_buckets(1, max_num_seqs), decode_buckets=decode)
         self.replicated = sharding(self.mesh)
         kv_shape = kv_cache_shape(self.arch, num_blocks, block_size)
-        self.kv_cache = jax.jit(lambda: jnp.zeros(kv_shape, dtype), out_shardings=self.kv_sharding)()
+        self.kv_cache_dtype = kv_cache_dtype
+        shapes = jax.eval_shape(lambda: kvq.make_cache(kv_shape, dtype, kv_cache_dtype))
+        self.kv_sharding = kv_cache_sharding(self.mesh, self.arch, shapes)
+        self.kv_cache = jax.jit(lambda: kvq.make_cache(kv_shape, dtype, kv_cache_dtype),
+                                out_shardings=self.kv_sharding)()
         self.sampler_state = jax.jit(lambda: init_state(max_num_seqs, self.vocab),
                                      out_shardings=self.replicated)()
-        self.block_ops = BlockOps(kv_shape, dtype, block_size, num_host_blocks, self.kv_sharding)
+        self.block_ops = BlockOps(shapes, block_size, num_host_blocks, self.kv_sharding)
         self.batch = InputBatch(max_num_seqs, max_model_len, self.max_blocks_per_seq)
         self._pending_rows: list[tuple[int, object]] = []  # rows whose sampler state to rebuild
-        self._compiled: dict[tuple[int, int], object] = {}
+        self._compiled: dict[tuple[int, int], object] = {}         # forward per (T, S)
+        self._compiled_sample: dict[int, object] = {}               # sampling per S
+        self._allow_all: dict[int, jax.Array] = {}  # per S: the bitmask of unconstrained steps
         self.num_steps = 0
         self.device_wait_seconds = 0.0  # host time spent waiting for steps' results
         self.num_compiles_after_warmup = 0
@@ -251,10 +328,11 @@ class ModelRunner:
             self.spec_state = jax.jit(
                 lambda: init_spec_state(max_num_seqs, num_spec_tokens, self.vocab, spec_probabilistic),
                 out_shardings=self.replicated)()
-        self._step = build_step(self.graphdef, self.vocab,
-                                jax.tree.map(lambda x: x.sharding, self.state),
-                                self.kv_sharding, self.replicated, num_spec_tokens,
-                                spec_probabilistic)
+        self._forward = build_forward(self.graphdef, self.vocab,
+                                      jax.tree.map(lambda x: x.sharding, self.state),
+                                      self.kv_sharding, self.replicated, num_spec_tokens)
+        self._sample = build_sample(self.replicated, num_spec_tokens, spec_probabilistic)
+        self._no_mask = jax.device_put(np.bool_(False), self.replicated)
         rep = self.replicated
         self._set_rows = jax.jit(set_rows, donate_argnums=(0,), in_shardings=rep, out_shardings=rep)
 
@@ -274,11 +352,32 @@ class ModelRunner:
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
     def _compile(self, T: int, S: int):
-        return self._step.lower(self._abstract(self.state), self._abstract(self.kv_cache),
-                                self._abstract(self.sampler_state),
-                                *self._abstract_inputs(T, S),
-                                *self._abstract(self._extra_state())).compile(
+        return self._forward.lower(self._abstract(self.state), self._abstract(self.kv_cache),
+                                   self._abstract(self.sampler_state),
+                                   *self._abstract_inputs(T, S),
+                                   *self._abstract(self._extra_state())).compile(
             step_compiler_options(platform_of(self.mesh)))
+
+    def sample_key(self, T: int, S: int):
+        """Which compiled sampling a (T, S) step uses: one per seqs bucket, and with
+        speculative decoding per (seqs, verified positions) pair."""
+        return S if not self.num_spec else (S, num_verify_rows(T, S, self.num_spec))
+
+    def _compile_sample(self, key):
+        S, R = (key, 0) if not self.num_spec else key
+        logits, smd, bitmask, use_mask = abstract_sample_inputs(
+            S, self.vocab, self._abstract_inputs(S, S)[3])
+        extra = ()
+        if self.num_spec:
+            sds = jax.ShapeDtypeStruct
+            extra = (sds((R, self.vocab), jnp.float32), sds((R,), jnp.int32),
+                     abstract_verify_metadata(R, S), self._abstract(self.spec_state))
+        return self._sample.lower(logits, self._abstract(self.sampler_state), smd, bitmask,
+                                  use_mask, *extra).compile()
+
+    @property
+    def sample_buckets(self) -> list:
+        return sorted({self.sample_key(T, S) for T, S in self.shapes.all})
 
     def compile_all(self, progress: bool = True) -> float:
         start = time.perf_counter()
@@ -289,25 +388,36 @@ class ModelRunner:
             sds((K, self.max_model_len), jnp.int32), sds((K,), jnp.int32), sds((K,), jnp.int32),
             sds((K, self.vocab), jnp.float32), sds((K, self.vocab), jnp.bool_)).compile()
         todo = [s for s in self.shapes.all if s not in self._compiled]
+        todo_sample = [k for k in self.sample_buckets if k not in self._compiled_sample]
         # XLA compiles outside the GIL, so threads overlap the per-shape compiles
         with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
-            futures = {shape: pool.submit(self._compile, *shape) for shape in todo}
-            bar = tqdm(total=len(todo), desc="compiling step buckets", disable=not progress,
+            futures = [(self._compiled, shape, pool.submit(self._compile, *shape))
+                       for shape in todo]
+            futures += [(self._compiled_sample, key, pool.submit(self._compile_sample, key))
+                        for key in todo_sample]
+            bar = tqdm(total=len(futures), desc="compiling step buckets", disable=not progress,
                        unit="shape")
-            for shape, fut in futures.items():
-                self._compiled[shape] = fut.result()
+            for table, key, fut in futures:
+                table[key] = fut.result()
                 bar.update(1)
             bar.close()
         if self.drafter is not None:
             self.drafter.compile_all(self, progress)
         return time.perf_counter() - start
 
+    @property
+    def num_compiled(self) -> int:
+        return len(self._compiled) + len(self._compiled_sample)
+
     def activation_bytes(self) -> int:
-        """Scratch memory of the largest step, measured from its compiled executable."""
+        """Scratch memory of the largest step, measured from its compiled executables."""
         T, S = self.shapes.all[-1]
-        exe = self._compiled.get((T, S)) or self._compile(T, S)
-        analysis = exe.memory_analysis()
-        return int(getattr(analysis, "temp_size_in_bytes", 0) or 0)
+        fwd = self._compiled.get((T, S)) or self._compile(T, S)
+        key = self.sample_key(T, S)
+        smp = self._compiled_sample.get(key) or self._compile_sample(key)
+        # with speculative decoding the verified positions' logits also wait for sampling
+        rows = S + (num_verify_rows(T, S, self.num_spec) if self.num_spec else 0)
+        return step_scratch_bytes(fwd, smp, rows, self.vocab)
 
     # per-step state
     def _update_states(self, out: SchedulerOutput) -> None:
@@ -367,7 +477,9 @@ class ModelRunner:
         return jax.tree.map(
             lambda x: jax.make_array_from_process_local_data(self.replicated, np.asarray(x)), tree)
 
-    def _run_step(self, shape, inputs, announced: bool = False):
+    def _run_forward(self, shape, inputs, announced: bool = False):
+        """The forward pass of a (T, S) step: (logits, prompt logprobs, sampling metadata as
+        sampling reads it), on the device."""
         if self.channel is not None:
             if not announced:
                 self.channel.announce(mp.STEP, *shape)
@@ -377,9 +489,38 @@ class ModelRunner:
             exe = self._compiled[shape] = self._compile(*shape)
             self.num_compiles_after_warmup += 1
             logger.warning("compiled step shape %s outside warm-up", shape)
-        self._last_args = args = self._put(inputs)
-        res, self.kv_cache, self.sampler_state = exe(self.state, self.kv_cache,
-                                                     self.sampler_state, *args, *self._extra_state())
+        args = self._put(inputs)
+        logits, plp, self.kv_cache, *spec = exe(self.state, self.kv_cache, self.sampler_state,
+                                                *args, *self._extra_state())
+        return _Forward(shape, args, logits, plp, sampling_only(args[3]), *spec)
+
+    def _run_sample(self, key, fwd: "_Forward", bitmask: np.ndarray | None,
+                    announced: bool = False):
+        """Sampling of a step whose sampling key (sample_key) is `key`, under `bitmask`
+        ([S, words] int32) when given."""
+        S = fwd.logits.shape[0]
+        if self.channel is not None:
+            if not announced:
+                self.channel.announce(mp.SAMPLE, S, int(bitmask is not None))
+            if bitmask is not None:
+                bitmask = self.channel.share(bitmask)
+        exe = self._compiled_sample.get(key)
+        if exe is None:
+            exe = self._compiled_sample[key] = self._compile_sample(key)
+            self.num_compiles_after_warmup += 1
+            logger.warning("compiled sampling of shape %s outside warm-up", key)
+        if bitmask is None:
+            mask, use = self._allow_all.get(S), self._no_mask
+            if mask is None:
+                mask = self._allow_all[S] = self._put(
+                    np.full((S, bitmask_words(self.vocab)), -1, np.int32))
+        else:
+            mask, use = self._put((bitmask, np.bool_(True)))
+        extra = ()
+        if self.num_spec:
+            raw_v, drafts, _ = fwd.verify
+            extra = (raw_v, drafts, fwd.args[4], self.spec_state)
+        res, self.sampler_state = exe(fwd.logits, self.sampler_state, fwd.smd, mask, use, *extra)
         return res
 
     def _set_sampler_rows(self, args, announced: bool = False) -> None:
@@ -405,7 +546,10 @@ class ModelRunner:
                 return
             if op == mp.STEP:
                 template = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), self._abstract_inputs(a, b))
-                self._run_step((a, b), template, announced=True)
+                forward = self._run_forward((a, b), template, announced=True)
+            elif op == mp.SAMPLE:
+                mask = np.zeros((a, bitmask_words(V)), np.int32) if b else None
+                self._run_sample(a, forward, mask, announced=True)
             elif op == mp.SET_ROWS:
                 self._set_sampler_rows((np.zeros(K, np.int32), np.zeros((K, L), np.int32),
                                         np.zeros(K, np.int32), np.zeros(K, np.int32),
@@ -534,9 +678,11 @@ class ModelRunner:
             np.bool_(cols["has_bias"].any()), np.bool_((cols["min_tokens"] > first_index).any()),
             np.bool_(any_banned), np.bool_((cols["num_logprobs"] >= 0).any()), np.bool_(any_plp))
 
-    def dispatch(self, out: SchedulerOutput) -> "InFlight | None":
+    def dispatch(self, out: SchedulerOutput, masked: bool = False) -> "InFlight | None":
         """Start a step on the device and return at once (JAX dispatches asynchronously); its
-        results are read by collect(). Block moves and row updates happen first."""
+        results are read by collect(). Block moves and row updates happen first. `masked`:
+        only the forward pass starts; sample() launches sampling under a token bitmask that
+        the host computes meanwhile."""
         if out.has_block_ops:
             # swap-outs first: their device blocks may be handed out again in this very step
             ops = self.block_ops
@@ -550,11 +696,30 @@ class ModelRunner:
             return None
         step, shape, inputs = self._prepare(out, list(out.num_scheduled_tokens))
         smd = inputs[3]
-        res = self._run_step(shape, inputs)
-        if self.drafter is not None:  # the next step's proposals, right behind this one
-            self.drafter.propose(self, shape, self._last_args, res, step)
+        fwd = self._run_forward(shape, inputs)
         self.num_steps += 1
-        return InFlight(step, res, bool(smd.any_logprobs), bool(smd.any_prompt_logprobs))
+        flight = InFlight(step, None, bool(smd.any_logprobs), bool(smd.any_prompt_logprobs), fwd)
+        if not masked:
+            self.sample(flight)
+        return flight
+
+    def sample(self, flight: "InFlight", bitmask: np.ndarray | None = None) -> None:
+        """Launch a dispatched step's sampling; `bitmask`: [rows of the step, words] int32,
+        the tokens each row may sample (structured outputs)."""
+        fwd = flight.pending
+        S = fwd.logits.shape[0]
+        if bitmask is not None and bitmask.shape[0] != S:  # padded rows allow everything
+            full = np.full((S, bitmask.shape[1]), -1, np.int32)
+            full[:bitmask.shape[0]] = bitmask
+            bitmask = full
+        res = self._run_sample(self.sample_key(*fwd.shape), fwd, bitmask)
+        if self.num_spec:
+            flight.result = VerifyOutput(*res, *fwd.plp, fwd.verify[2])
+        else:
+            flight.result = SamplerOutput(*res, *fwd.plp)
+        flight.pending = None
+        if self.drafter is not None:  # the next step's proposals, right behind this one
+            self.drafter.propose(self, fwd.shape, fwd.args, flight.result, flight.step)
 
     def collect(self, flight: "InFlight | None") -> RunnerOutput:
         """Wait for a dispatched step and bring its tokens (and logprobs) to the host. The
@@ -636,6 +801,19 @@ class _Step:
 @dataclass
 class InFlight:
     step: _Step
-    result: SamplerOutput
+    result: SamplerOutput | None  # None until sampling is launched
     want_logprobs: bool
     want_prompt_logprobs: bool
+    pending: "_Forward | None" = None  # the forward pass's outputs, until sampling takes them
+
+
+@dataclass
+class _Forward:
+    """A dispatched forward pass, on the device, until sampling takes it."""
+    shape: tuple[int, int]
+    args: tuple          # the step's inputs on the device (a draft model reads them too)
+    logits: jax.Array    # [S, V] of the rows that sample
+    plp: tuple           # prompt logprobs
+    smd: SamplingMetadata  # as sampling reads it
+    verify: tuple | None = None  # speculative decoding: (raw logits at the verified
+    #                              positions, the proposals, the resolved input ids)

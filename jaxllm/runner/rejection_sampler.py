@@ -144,9 +144,10 @@ def _probabilistic_decisions(raw_v, md_v, state, drafts, q, prob_rows):
     return jnp.where(prob_rows, accept, False), recovered
 
 
-def verify(raw_v, input_ids, base, smd: SamplingMetadata, vmd: VerifyMetadata,
+def verify(raw_v, drafts, base, smd: SamplingMetadata, vmd: VerifyMetadata,
            state: SamplerState, spec_state: SpecState, k: int, probabilistic: bool = False):
-    """raw_v [R, V]: raw target logits at the verified positions. base: (tokens, lp, rank,
+    """raw_v [R, V]: raw target logits at the verified positions; drafts [R]: the proposals
+    they score (the input token after each). base: (tokens, lp, rank,
     top_ids, top_lp) the sampler drew at each sequence's last token (the bonus), with `state`
     as it left it. `probabilistic`: some proposals may come with their q (else all are
     one-hot and that path is not built). Returns (tokens [S, K+1], num [S], stats [S, K+1,
@@ -154,7 +155,6 @@ def verify(raw_v, input_ids, base, smd: SamplingMetadata, vmd: VerifyMetadata,
     S = smd.rows.shape[0]
     seq, pos, valid = vmd.seq, vmd.pos, vmd.valid
     md_v = verify_metadata_rows(smd, vmd)
-    drafts = input_ids[vmd.token_idx + 1]  # each proposal follows the token that scores it
     if probabilistic:  # rows with a sampled proposal need no draw of the target's own token
         prob_rows = vmd.probabilistic[seq] & valid
         temp = jnp.where(prob_rows, 0.0, md_v.temperature)

@@ -10,6 +10,7 @@ Per-request state that outlives a step (output token counts, the prompt's token 
 bias row, the min_tokens stop set) lives in `SamplerState`, one row per persistent-batch row,
 passed in and returned donated. Optional work sits behind `lax.cond` on flags computed on the
 host, so a new mix of parameters never recompiles and a plain greedy batch pays for nothing.
+The same holds for structured outputs' token bitmask.
 """
 from __future__ import annotations
 
@@ -164,9 +165,22 @@ def process_logits(logits, md: SamplingMetadata, state: SamplerState):
     return logits
 
 
-def sample(logits: jax.Array, md: SamplingMetadata, state: SamplerState):
-    """logits: [S, V] f32 raw -> (tokens and logprobs, updated state)."""
+def apply_bitmask(logits, bitmask):
+    """Structured outputs: tokens whose bit is clear in the row's packed bitmask ([S, W] int32,
+    token t is bit t % 32 of word t // 32) cannot be sampled."""
     S, V = logits.shape
+    bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+    allowed = bits.reshape(S, -1)[:, :V] != 0
+    return jnp.where(allowed, logits, _NEG_INF)
+
+
+def sample(logits: jax.Array, md: SamplingMetadata, state: SamplerState, bitmask=None,
+           use_mask=None):
+    """logits: [S, V] f32 raw -> (tokens and logprobs, updated state). A grammar's bitmask
+    (when `use_mask`) applies first, as in vLLM: logprobs are those of the allowed tokens."""
+    S, V = logits.shape
+    if bitmask is not None:
+        logits = jax.lax.cond(use_mask, apply_bitmask, lambda x, _: x, logits, bitmask)
     raw = logits
     logits = process_logits(logits, md, state)
     greedy_mask = md.temperature < GREEDY_EPS

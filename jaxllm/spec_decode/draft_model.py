@@ -31,8 +31,7 @@ from tqdm.auto import tqdm
 
 from jaxllm.core.block_pool import NULL_BLOCK
 from jaxllm.layers.attention import AttentionMetadata, max_tiles
-from jaxllm.models import get_model_class
-from jaxllm.parallel import sharding
+from jaxllm.quantization import kv as kvq
 from jaxllm.runner.block_ops import BlockOps
 from jaxllm.runner.rejection_sampler import DRAFT_STREAM, _stream_key
 from jaxllm.runner.sampler import filter_logits, process_logits
@@ -86,11 +85,14 @@ class DraftModel:
         self.max_model_len = runner.max_model_len
         self.block_size = runner.block_size
         self.q_tile = runner.q_tile
-        from jaxllm.runner.model_runner import kv_cache_shape
+        from jaxllm.runner.model_runner import kv_cache_shape, kv_cache_sharding
         shape = kv_cache_shape(self.arch, runner.num_blocks, runner.block_size)
-        self.kv_sharding = sharding(runner.mesh, *get_model_class(self.arch.architecture).KV_CACHE_AXES)
-        self.kv_cache = jax.jit(lambda: jnp.zeros(shape, runner.dtype), out_shardings=self.kv_sharding)()
-        self.ops = BlockOps(shape, runner.dtype, runner.block_size, num_host_blocks, self.kv_sharding)
+        # stored as the target's is (kv_cache_dtype)
+        make = lambda: kvq.make_cache(shape, runner.dtype, runner.kv_cache_dtype)  # noqa: E731
+        shapes = jax.eval_shape(make)
+        self.kv_sharding = kv_cache_sharding(runner.mesh, self.arch, shapes)
+        self.kv_cache = jax.jit(make, out_shardings=self.kv_sharding)()
+        self.ops = BlockOps(shapes, runner.block_size, num_host_blocks, self.kv_sharding)
         # the engine turns the proposal passes off while no request may speculate
         # (disable_by_batch_size); the mirror pass always runs, to keep the cache whole
         self.enabled = True

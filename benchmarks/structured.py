@@ -1,0 +1,213 @@
+"""`jaxllm bench structured`: what structured outputs cost, measured side by side in one run.
+
+Throughput: N concurrent requests under N different JSON schemas against the same N requests
+unconstrained, the same prompts and output length (the schemas ask for more than the output
+length, so every request runs to it and the two runs produce the same number of tokens).
+Each round times the constrained requests twice: with schemas never seen (their compilation
+included) and again with the grammars cached; unconstrained runs bracket every round. Time to first token of a request alone, unconstrained, with a
+schema never seen and with a cached one."""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import numpy as np
+
+from benchmarks.common import percentiles, write_result
+from benchmarks.latency import _Recorder
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("workload")
+    g.add_argument("--num-requests", type=int, default=32)
+    g.add_argument("--output-len", type=int, default=64)
+    g.add_argument("--num-ttft", type=int, default=3, help="new schemas timed alone")
+    g.add_argument("--rounds", type=int, default=2,
+                   help="constrained runs (new, then cached), each between unconstrained ones")
+    o = p.add_argument_group("output")
+    o.add_argument("--results-dir", default=os.environ.get("OUT") or "benchmarks/results")
+    o.add_argument("--tag", default=None)
+
+
+def schema(i: int, salt: str = "") -> dict:
+    """A records schema whose shortest output is longer than any output length used here."""
+    record = {"type": "object", "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 10 ** 6},
+        "name": {"type": "string", "minLength": 2, "maxLength": 12},
+        "kind": {"type": "string", "enum": ["alpha", "beta", "gamma", f"kind{i}"]},
+        "ok": {"type": "boolean"}},
+        "required": ["id", "name", "kind", "ok"], "additionalProperties": False}
+    return {"type": "object", "properties": {
+        f"records{salt}{i}": {"type": "array", "items": record, "minItems": 40, "maxItems": 40},
+        "total": {"type": "integer"}},
+        "required": [f"records{salt}{i}", "total"], "additionalProperties": False}
+
+
+def _run(engine, prompts, params) -> tuple[float, int]:
+    """All requests at once, to the end: (seconds, output tokens)."""
+    start = time.perf_counter()
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(f"so-{time.monotonic_ns()}-{i}", prompt, p)
+    tokens = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                tokens += len(out.outputs[0].token_ids)
+    return time.perf_counter() - start, tokens
+
+
+def _ttft(engine, prompt, params) -> float:
+    """A request alone: seconds from submission to its first token."""
+    from jaxllm.sampling_params import RequestOutputKind
+    params.output_kind = RequestOutputKind.DELTA
+    start, first = time.perf_counter(), None
+    rid = f"ttft-{time.monotonic_ns()}"
+    engine.add_request(rid, prompt, params)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if first is None and out.outputs and out.outputs[0].token_ids:
+                first = time.perf_counter() - start
+    return first
+
+
+def split_step_cost(engine, recorded) -> dict:
+    """What running the step as two calls (forward, then sampling) costs a batch without
+    constraints, against the same computation as one jitted call: a recorded whole-batch
+    decode step replayed both ways, in alternating blocks (the median block of each)."""
+    import jax
+    from jaxllm.runner.model_runner import bitmask_words, sampling_only
+
+    runner = engine.runner
+    shape, inputs = recorded
+    S = shape[1]
+    forward, sample = runner._compiled[shape], runner._compiled_sample[S]
+    args = runner._put(inputs)
+    smd = sampling_only(args[-1])
+    mask = runner._put(np.full((S, bitmask_words(runner.vocab)), -1, np.int32))
+
+    def one_call(state, kv, sampler, *a):
+        logits, _, kv = runner._forward(state, kv, sampler, *a)
+        res, sampler = runner._sample(logits, sampler, sampling_only(a[-1]), mask, runner._no_mask)
+        return res, kv, sampler
+
+    fused = jax.jit(one_call, donate_argnums=(1, 2)).lower(
+        runner.state, runner.kv_cache, runner.sampler_state, *args).compile()
+    kv, sampler = runner.kv_cache, runner.sampler_state
+
+    def split(kv, sampler):
+        logits, _, kv = forward(runner.state, kv, sampler, *args)
+        res, sampler = sample(logits, sampler, smd, mask, runner._no_mask)
+        return res, kv, sampler
+
+    def joined(kv, sampler):
+        return fused(runner.state, kv, sampler, *args)
+
+    times = {"one_call": [], "two_calls": []}
+    for fn in (joined, split):  # settle
+        res, kv, sampler = fn(kv, sampler)
+        jax.block_until_ready(res)
+    for _ in range(5):
+        for name, fn in (("one_call", joined), ("two_calls", split)):
+            t = time.perf_counter()
+            for _ in range(5):
+                res, kv, sampler = fn(kv, sampler)
+            jax.block_until_ready(res)
+            times[name].append((time.perf_counter() - t) / 5)
+    runner.kv_cache, runner.sampler_state = kv, sampler
+    out = {k: float(np.median(v)) for k, v in times.items()}
+    out["step_shape"] = list(shape)
+    out["two_calls_over_one"] = out["two_calls"] / out["one_call"]
+    print(f"decode step {shape}: one jitted call {out['one_call'] * 1e3:.1f} ms, forward + "
+          f"sampling {out['two_calls'] * 1e3:.1f} ms ({out['two_calls_over_one']:.3f}x)", flush=True)
+    return out
+
+
+def run(args) -> int:
+    from jaxllm.cli import engine_config_from_args
+    from jaxllm.llm import LLM
+    from jaxllm.sampling_params import SamplingParams, StructuredOutputsParams
+
+    config = engine_config_from_args(args)
+    llm = LLM(config=config)
+    engine = llm.llm_engine
+    tok = engine.tokenizer
+    n, out_len = args.num_requests, args.output_len
+
+    def prompt(i):
+        text = f"List customer records as JSON (batch {i}), with ids, names, kinds and flags."
+        return tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                       add_generation_prompt=True)
+
+    prompts = [prompt(i) for i in range(n)]
+    free = [SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True) for _ in range(n)]
+
+    def constrained(salt):
+        return [SamplingParams(temperature=0.0, max_tokens=out_len, structured_outputs=
+                               StructuredOutputsParams(json=schema(i, salt))) for i in range(n)]
+
+    # warm-up: the step shapes have run, llguidance's tokenizer is built, and every prompt is
+    # in the prefix cache (each run below finds it there alike)
+    _run(engine, prompts, [SamplingParams(temperature=0.0, max_tokens=1)] * n)
+    _run(engine, prompts[:4], free[:4])
+    _run(engine, prompts[:4], constrained("warm")[:4])
+
+    results = {"workload": {"num_requests": n, "output_len": out_len, "rounds": args.rounds,
+                            "async_scheduling": engine.config.async_scheduling}}
+    s = engine.structured
+
+    def timed(params) -> dict:
+        mask_s, masks = s.mask_seconds, s.num_masks
+        secs, tokens = _run(engine, prompts, params)
+        return {"seconds": secs, "output_tokens": tokens, "output_tok_s": tokens / secs,
+                "mask_seconds": s.mask_seconds - mask_s, "masks": s.num_masks - masks}
+
+    # the load on a shared machine drifts: unconstrained runs bracket each constrained pair,
+    # and each constrained run is compared with the mean of the two around it
+    recorder = _Recorder(engine.runner)
+    recorder.batch = n
+    rows = {"unconstrained": [timed(free)]}
+    for r in range(args.rounds):
+        params = constrained(f"r{r}")
+        rows.setdefault("json_schema_new", []).append(timed(params))
+        rows.setdefault("json_schema_cached", []).append(timed(params))
+        rows["unconstrained"].append(timed(free))
+        base = (rows["unconstrained"][r]["output_tok_s"] + rows["unconstrained"][r + 1]["output_tok_s"]) / 2
+        for name in ("json_schema_new", "json_schema_cached"):
+            rows[name][r]["ratio_to_unconstrained"] = rows[name][r]["output_tok_s"] / base
+    for name, runs in rows.items():
+        for x in runs:
+            print(f"{name:>20}: {x['output_tokens']} tokens in {x['seconds']:.2f} s = "
+                  f"{x['output_tok_s']:.1f} tok/s" + (f", {x['ratio_to_unconstrained']:.2f}x "
+                  f"(bitmask host time {x['mask_seconds']:.3f} s over {x['masks']} steps)"
+                                                      if "ratio_to_unconstrained" in x else ""),
+                  flush=True)
+    ratios = {name: float(np.median([x["ratio_to_unconstrained"] for x in rows[name]]))
+              for name in ("json_schema_new", "json_schema_cached")}
+    results["throughput"] = rows
+    results["ratio_to_unconstrained_median"] = ratios
+
+    results["split_step"] = split_step_cost(engine, recorder.middle())
+
+    # a request alone, with a prompt of its own each time (no prefix-cache hit between kinds)
+    ttft = {"unconstrained": [], "new_schema": [], "cached_schema": []}
+    for k in range(args.num_ttft):
+        ttft["unconstrained"].append(_ttft(engine, prompt(1000 + 3 * k), SamplingParams(
+            temperature=0.0, max_tokens=2)))
+        for j, kind in enumerate(("new_schema", "cached_schema")):  # the same schema: new, cached
+            ttft[kind].append(_ttft(engine, prompt(1001 + 3 * k + j), SamplingParams(
+                temperature=0.0, max_tokens=2,
+                structured_outputs=StructuredOutputsParams(json=schema(k, "ttft")))))
+    results["ttft_s"] = {k: percentiles(v) for k, v in ttft.items()}
+    for k, v in results["ttft_s"].items():
+        print(f"TTFT {k:>14}: median {v['median'] * 1e3:.1f} ms over {v['n']}", flush=True)
+    print(f"{n} concurrent JSON-schema requests: {ratios['json_schema_new']:.2f}x (new schemas), "
+          f"{ratios['json_schema_cached']:.2f}x (cached) the unconstrained output tokens/s "
+          f"(median of {args.rounds} rounds)", flush=True)
+    results["engine"] = {"model": config.model or "SmolLM2-135M-Instruct (default GGUF)",
+                         "dtype": engine.policy.describe(), "max_num_seqs": config.max_num_seqs,
+                         "max_num_batched_tokens": config.max_num_batched_tokens,
+                         "startup_seconds": round(engine.startup_seconds, 2)}
+    write_result(args, results, "structured")
+    return 0
+

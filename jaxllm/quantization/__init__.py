@@ -1,0 +1,177 @@
+"""Quantized weights: which method, which parameters, in which layout.
+
+`quantization=` (vLLM's name) picks a method:
+  int8   weight-only int8, one scale per output channel (W8A16), quantized at load
+  int4   weight-only int4, groups of 128 along the input (64 or 32 where 128 does not divide
+         it), asymmetric (scale and offset per group), quantized at load
+  w8a8   int8 weights per channel and int8 activations quantized per token at run time
+  fp8    e4m3 weights per channel and e4m3 activations per token (the GPU path: Hopper's fp8
+         matrix units; on a CPU XLA emulates it, slowly)
+  awq, gptq, compressed-tensors, gguf   a checkpoint quantized that way, kept quantized
+  none   dequantize a quantized checkpoint to --dtype at load (jaxllm's; for comparisons)
+Left unset, a quantized checkpoint runs as shipped and a float one unquantized.
+
+int8 and int4 quantize every matrix, the embedding and LM head included (they are a fifth of a
+small model); w8a8 keeps those two weight-only int8 and fp8 keeps them in float, as logits are
+the most sensitive to activation quantization. Layouts are in formats.py.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from jaxllm.quantization.formats import HostQuant
+
+ONLINE_METHODS = ("int8", "int4", "w8a8", "fp8")
+CHECKPOINT_METHODS = ("awq", "gptq", "compressed-tensors", "gguf")
+METHODS = ONLINE_METHODS + CHECKPOINT_METHODS + ("none",)
+INT4_GROUP = 128
+
+
+def validate_method(method: str | None) -> None:
+    if method is not None and method not in METHODS:
+        raise ValueError(f"quantization must be one of {', '.join(METHODS)}, got {method!r}")
+
+
+@dataclass(frozen=True)
+class QuantLayout:
+    """How one parameter is stored: kind (int4 | int8 | fp8), group along the input, whether
+    it has offsets and a SmoothQuant vector, and how its activations are quantized."""
+    kind: str
+    group: int
+    offset: bool = False
+    smooth: bool = False
+    act: str = "none"
+    scale_dtype: str = "float32"  # of scale and offset: float16 where exact (formats.py)
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """The quantized parameters of a model (a static part of its graph)."""
+    method: str
+    layouts: tuple[tuple[str, QuantLayout], ...]
+    backend: str = "xla"  # "cpu": the C++ kernels; "xla": dequantizing dots (GPU, reference)
+
+    def get(self, name: str) -> QuantLayout | None:
+        return dict(self.layouts).get(name)
+
+    def names(self) -> list[str]:
+        return [n for n, _ in self.layouts]
+
+
+def layout_of(h: HostQuant, act: str = "none", smooth: bool = False) -> QuantLayout:
+    return QuantLayout(h.kind, h.group, h.offset is not None, smooth, act, h.scale.dtype.name)
+
+
+def out_in(spec_shape: tuple[int, ...], matrix: str) -> tuple[int, int]:
+    """(out, in) sizes of one matrix of a parameter declared [.., in, out] or [.., out, in]."""
+    a, b = spec_shape[-2:]
+    return (b, a) if matrix == "in_out" else (a, b)
+
+
+def part_specs(name: str, spec, layout: QuantLayout) -> dict:
+    """The parameters one quantized matrix becomes: name.q, name.scale (.offset, .smooth),
+    each with the float parameter's logical axes in out-major order."""
+    import jax.numpy as jnp
+
+    from jaxllm.models.base import ParamSpec
+    lead, lead_axes = spec.shape[:-2], spec.axes[:-2]
+    N, K = out_in(spec.shape, spec.matrix)
+    ax_out, ax_in = (spec.axes[-1], spec.axes[-2]) if spec.matrix == "in_out" else spec.axes[-2:]
+    axes = (*lead_axes, ax_out, ax_in)
+    if K % layout.group:
+        raise ValueError(f"{name}: group size {layout.group} does not divide its input size {K}")
+    code_dtype = {"int4": jnp.uint8, "int8": jnp.int8, "fp8": jnp.float8_e4m3fn}[layout.kind]
+    width = K // 2 if layout.kind == "int4" else K
+    groups = (*lead, N, K // layout.group)
+    # one scale per output channel is whole on every device of a row-parallel split
+    group_axes = axes if K // layout.group > 1 else (*lead_axes, ax_out, None)
+    out = {f"{name}.q": ParamSpec((*lead, N, width), axes, init=f"codes_{layout.kind}",
+                                  dtype=code_dtype),
+           f"{name}.scale": ParamSpec(groups, group_axes, init=f"scale_{layout.kind}",
+                                      dtype=jnp.dtype(layout.scale_dtype))}
+    if layout.offset:
+        out[f"{name}.offset"] = ParamSpec(groups, group_axes, init=f"offset_{layout.kind}",
+                                          dtype=jnp.dtype(layout.scale_dtype))
+    if layout.smooth:
+        out[f"{name}.smooth"] = ParamSpec((*lead, K), (*lead_axes, ax_in), init="ones",
+                                          dtype=jnp.float32)
+    return out
+
+
+def quantized_specs(specs: dict, quant: QuantSpec | None) -> dict:
+    """The model's parameter table with each quantized matrix replaced by its parts."""
+    if quant is None:
+        return specs
+    out = {}
+    for name, spec in specs.items():
+        layout = quant.get(name)
+        if layout is None:
+            out[name] = spec
+        else:
+            out.update(part_specs(name, spec, layout))
+    return out
+
+
+def online_layout(method: str, name: str, spec) -> QuantLayout | None:
+    """The layout `method` gives a float matrix parameter (None: it stays float)."""
+    if spec.matrix is None:
+        return None
+    N, K = out_in(spec.shape, spec.matrix)
+    head = name in ("embed_tokens", "lm_head")
+    if method == "int8":
+        return QuantLayout("int8", K, scale_dtype="float16")
+    if method == "int4":
+        from jaxllm.quantization.formats import int4_group
+        return QuantLayout("int4", int4_group(K, INT4_GROUP), offset=True, scale_dtype="float16")
+    if method == "w8a8":
+        return QuantLayout("int8", K, scale_dtype="float16") if head else QuantLayout("int8", K, act="int8")
+    if method == "fp8":
+        return None if head else QuantLayout("fp8", K, act="fp8")
+    raise ValueError(f"{method!r} is not an online quantization method")
+
+
+def quantize_host(w: np.ndarray, layout: QuantLayout) -> HostQuant:
+    """A float matrix (stack) [.., N, K] -> our layout."""
+    from jaxllm.quantization import formats as F
+    if layout.kind == "int8":
+        return F.quantize_int8(w, None if layout.group == w.shape[-1] else layout.group)
+    if layout.kind == "int4":
+        return F.quantize_int4(w, layout.group)
+    return F.quantize_fp8(w)
+
+
+def to_out_in(w: np.ndarray, matrix: str) -> np.ndarray:
+    return np.swapaxes(w, -1, -2) if matrix == "in_out" else w
+
+
+def quantize_online(weights: dict, specs: dict, method: str) -> tuple[dict, dict[str, QuantLayout]]:
+    """Float host weights -> the method's layouts, layer by layer (one float layer at a time
+    in extra memory)."""
+    out, layouts = dict(weights), {}
+    for name, spec in specs.items():
+        layout = online_layout(method, name, spec)
+        if layout is None or name not in weights:
+            continue
+        w = weights[name]
+        if w.ndim == 3:
+            parts = [quantize_host(np.ascontiguousarray(to_out_in(w[i], spec.matrix), np.float32), layout)
+                     for i in range(w.shape[0])]
+            out[name] = stack(parts)
+        else:
+            out[name] = quantize_host(np.ascontiguousarray(to_out_in(w, spec.matrix), np.float32), layout)
+        layouts[name] = layout_of(out[name], layout.act)
+    return out, layouts
+
+
+def stack(parts: list[HostQuant]) -> HostQuant:
+    first = parts[0]
+    off = None if first.offset is None else np.stack([p.offset for p in parts])
+    return HostQuant(first.kind, np.stack([p.q for p in parts]), np.stack([p.scale for p in parts]), off)
+
+
+def weight_bytes(state) -> int:
+    """Bytes of every parameter array (what the weights occupy on the device)."""
+    import jax
+    return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(state))

@@ -1,0 +1,128 @@
+"""The CPU quantized matmuls (kernels.cc): built on first use with the machine's C++
+compiler against the FFI headers jaxlib ships, cached by source, jaxlib version and CPU, and
+registered with XLA as custom calls.
+
+Why a kernel of our own: XLA:CPU dots need materialized operands, so a quantized weight is
+first written out whole in float (measured: 10x slower than the float dot at one row on this
+project's CPU), and a dot on a slice of the layer stack copies the slice first. These kernels
+read the packed codes of the wanted layer in place. Without a compiler (or with
+JAXLLM_CPU_KERNELS=0) the engine runs the XLA path and says so once.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+
+import jax
+import jax.numpy as jnp
+
+logger = logging.getLogger(__name__)
+
+SOURCE = os.path.join(os.path.dirname(__file__), "kernels.cc")
+CACHE = os.environ.get("JAXLLM_KERNEL_CACHE_DIR", os.path.expanduser("~/.cache/jaxllm/kernels"))
+TARGETS = {"jaxllm_qmm": "JaxllmQmm", "jaxllm_qmm_sym": "JaxllmQmmSym",
+           "jaxllm_w8a8": "JaxllmW8A8", "jaxllm_w8a8_smooth": "JaxllmW8A8Smooth"}
+
+_lock = threading.Lock()
+_state: dict = {}
+
+
+def _cpu_signature() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return platform.machine() + flags
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _build() -> str:
+    cxx = _compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (set CXX)")
+    with open(SOURCE, "rb") as f:
+        src = f.read()
+    key = hashlib.sha256(src + jax.__version__.encode() + cxx.encode()
+                         + _cpu_signature().encode()).hexdigest()[:16]
+    lib = os.path.join(CACHE, f"kernels-{key}.so")
+    if os.path.exists(lib):
+        return lib
+    os.makedirs(CACHE, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=CACHE)
+    os.close(fd)
+    cmd = [cxx, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w",
+           "-I", jax.ffi.include_dir(), SOURCE, "-o", tmp]
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr[-2000:]}")
+        os.replace(tmp, lib)  # atomic: a concurrent build of the same key is harmless
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return lib
+
+
+def available() -> bool:
+    """Build (once) and register the kernels; False, with one warning, if that is not
+    possible here."""
+    with _lock:
+        if "ok" in _state:
+            return _state["ok"]
+        if os.environ.get("JAXLLM_CPU_KERNELS", "1") == "0":
+            _state["ok"] = False
+            return False
+        try:
+            lib = ctypes.cdll.LoadLibrary(_build())
+            for target, symbol in TARGETS.items():
+                jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
+                                            platform="cpu")
+            _state["lib"] = lib
+            _state["ok"] = True
+        except (OSError, RuntimeError, AttributeError) as e:
+            logger.warning("CPU quantized kernels unavailable (%s); quantized weights run "
+                           "through XLA's dots, which dequantize them first (slower)", e)
+            _state["ok"] = False
+        return _state["ok"]
+
+
+def prepare_async() -> threading.Thread:
+    """Start building the kernels in the background (the first build takes seconds)."""
+    t = threading.Thread(target=available, daemon=True)
+    t.start()
+    return t
+
+
+def matmul(x: jax.Array, w) -> jax.Array:
+    """x [.., K] @ W^T -> [.., N] f32 through the kernels; w is a QWeight."""
+    lead, K = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, K).astype(jnp.float32)
+    stack = (lambda a: a) if w.layer is not None else (lambda a: None if a is None else a[None])
+    q, scale, offset, smooth = stack(w.q), stack(w.scale), stack(w.offset), stack(w.smooth)
+    layer = jnp.asarray(0 if w.layer is None else w.layer, jnp.int32)
+    N = q.shape[1]
+    out = jax.ShapeDtypeStruct((x2.shape[0], N), jnp.float32)
+    if w.act == "int8":
+        if smooth is not None:
+            y = jax.ffi.ffi_call("jaxllm_w8a8_smooth", out)(x2, q, scale, smooth, layer)
+        else:
+            y = jax.ffi.ffi_call("jaxllm_w8a8", out)(x2, q, scale, layer)
+    elif offset is not None:
+        y = jax.ffi.ffi_call("jaxllm_qmm", out)(x2, q, scale, offset, layer)
+    else:
+        y = jax.ffi.ffi_call("jaxllm_qmm_sym", out)(x2, q, scale, layer)
+    return y.reshape(*lead, N)

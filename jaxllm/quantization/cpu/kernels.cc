@@ -1,0 +1,427 @@
+// Quantized matmuls for XLA:CPU, called through XLA's FFI (see __init__.py, which builds and
+// registers this file). XLA:CPU has no dot that dequantizes its operand on the fly, so these
+// read the packed codes themselves:
+//
+//   jaxllm_qmm      y[M,N] = x[M,K] . (code * scale + offset)^T   int4 or int8 codes
+//   jaxllm_qmm_sym  the same without an offset
+//   jaxllm_w8a8     int8 codes with per-channel scales; x quantized per row to int8 inside
+//                   (optionally divided by a SmoothQuant vector first), int32 accumulation
+//
+// Weights are stacks [L, N, K'] (out-major, formats.py) and a scalar layer index picks one,
+// so no slice of the stack is ever copied. int4: uint8 [L, N, K/2], two codes per byte in
+// blocks of 32 (byte j: code j low, code j + 16 high); int8: int8 [L, N, K]; scale and offset
+// float16 or float32 [L, N, K/G]. Rows of N are split over XLA's intra-op thread pool.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// Run fn(n0, n1) over [0, N) in chunks of `chunk` rows on the pool. The caller takes chunks
+// too, so it never waits on a task that has not started: no deadlock when the pool is busy.
+template <typename F>
+void parallel_rows(ffi::ThreadPool& pool, int64_t N, int64_t chunk, F fn) {
+  const int64_t chunks = (N + chunk - 1) / chunk;
+  struct State {
+    std::atomic<int64_t> next{0}, done{0};
+  };
+  auto st = std::make_shared<State>();
+  auto work = [st, chunks, chunk, N, fn]() {
+    int64_t c;
+    while ((c = st->next.fetch_add(1)) < chunks) {
+      fn(c * chunk, std::min(N, (c + 1) * chunk));
+      st->done.fetch_add(1);
+    }
+  };
+  int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  for (int64_t t = 1; t < threads && t < chunks; ++t) pool.Schedule(std::function<void()>(work));
+  work();
+  // the last chunks finish on other threads: spin briefly, then give the core away (on a
+  // busy machine a spinning waiter would keep the thread it waits for off the CPU)
+  for (int spins = 0; st->done.load() < chunks; ++spins) {
+    if (spins > 4000) std::this_thread::yield();
+  }
+}
+
+// float16 or float32 scales
+inline float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0) {
+    if (man == 0) {
+      bits = sign;
+    } else {  // subnormal
+      int e = -1;
+      uint32_t m = man;
+      do { ++e; m <<= 1; } while (!(m & 0x400u));
+      bits = sign | ((127 - 15 - e) << 23) | ((m & 0x3ffu) << 13);
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else {
+    bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+#endif
+}
+
+struct Scales {
+  const void* p = nullptr;
+  bool f16 = false;
+  inline float operator[](int64_t i) const {
+    return f16 ? half_to_float(static_cast<const uint16_t*>(p)[i]) : static_cast<const float*>(p)[i];
+  }
+  explicit operator bool() const { return p != nullptr; }
+};
+
+struct QMat {
+  const void* q;   // codes of the chosen layer
+  Scales scale;    // [N, K/G]
+  Scales offset;   // [N, K/G] or null
+  int64_t N, K, G;
+  bool int4;
+};
+
+#if defined(__AVX512F__)
+
+inline void codes32(const QMat& w, int64_t row, int64_t k, __m512& a, __m512& b) {
+  if (w.int4) {
+    const uint8_t* p = static_cast<const uint8_t*>(w.q) + row * (w.K / 2) + k / 2;
+    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    a = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
+    b = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+  } else {
+    const int8_t* p = static_cast<const int8_t*>(w.q) + row * w.K + k;
+    a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
+  }
+}
+
+// NR weight rows x MR activation rows; K is a multiple of 32 (checked by the caller)
+template <int NR, int MR>
+void tile(const QMat& w, const float* x, int64_t K, int64_t n, float* y, int64_t N) {
+  __m512 acc[NR][MR];
+  for (int r = 0; r < NR; ++r)
+    for (int i = 0; i < MR; ++i) acc[r][i] = _mm512_setzero_ps();
+  const int64_t ng = K / w.G;
+  for (int64_t k = 0; k < K; k += 32) {
+    __m512 xa[MR], xb[MR];
+    for (int i = 0; i < MR; ++i) {
+      xa[i] = _mm512_loadu_ps(x + i * K + k);
+      xb[i] = _mm512_loadu_ps(x + i * K + k + 16);
+    }
+    const int64_t ga = k / w.G, gb = (k + 16) / w.G;
+    for (int r = 0; r < NR; ++r) {
+      const int64_t row = n + r;
+      __m512 a, b;
+      codes32(w, row, k, a, b);
+      const __m512 sa = _mm512_set1_ps(w.scale[row * ng + ga]);
+      const __m512 sb = _mm512_set1_ps(w.scale[row * ng + gb]);
+      if (w.offset) {
+        a = _mm512_fmadd_ps(a, sa, _mm512_set1_ps(w.offset[row * ng + ga]));
+        b = _mm512_fmadd_ps(b, sb, _mm512_set1_ps(w.offset[row * ng + gb]));
+      } else {
+        a = _mm512_mul_ps(a, sa);
+        b = _mm512_mul_ps(b, sb);
+      }
+      for (int i = 0; i < MR; ++i) {
+        acc[r][i] = _mm512_fmadd_ps(a, xa[i], acc[r][i]);
+        acc[r][i] = _mm512_fmadd_ps(b, xb[i], acc[r][i]);
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int i = 0; i < MR; ++i) y[i * N + n + r] = _mm512_reduce_add_ps(acc[r][i]);
+}
+
+template <int MR>
+void rows_m(const QMat& w, const float* x, int64_t n0, int64_t n1, float* y) {
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) tile<4, MR>(w, x, w.K, n, y, w.N);
+  for (; n < n1; ++n) tile<1, MR>(w, x, w.K, n, y, w.N);
+}
+
+void qmm_rows(const QMat& w, const float* x, int64_t M, int64_t n0, int64_t n1, float* y) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) rows_m<4>(w, x + m * w.K, n0, n1, y + m * w.N);
+  switch (M - m) {
+    case 3: rows_m<3>(w, x + m * w.K, n0, n1, y + m * w.N); break;
+    case 2: rows_m<2>(w, x + m * w.K, n0, n1, y + m * w.N); break;
+    case 1: rows_m<1>(w, x + m * w.K, n0, n1, y + m * w.N); break;
+  }
+}
+
+#else  // portable fallback
+
+void qmm_rows(const QMat& w, const float* x, int64_t M, int64_t n0, int64_t n1, float* y) {
+  const int64_t ng = w.K / w.G;
+  std::vector<float> row(w.K);
+  for (int64_t n = n0; n < n1; ++n) {
+    for (int64_t k = 0; k < w.K; ++k) {
+      float c;
+      if (w.int4) {
+        const uint8_t* p = static_cast<const uint8_t*>(w.q) + n * (w.K / 2) + (k / 32) * 16;
+        int64_t j = k % 32;
+        c = j < 16 ? (p[j] & 15) : (p[j - 16] >> 4);
+      } else {
+        c = static_cast<const int8_t*>(w.q)[n * w.K + k];
+      }
+      const int64_t g = n * ng + k / w.G;
+      row[k] = c * w.scale[g] + (w.offset ? w.offset[g] : 0.0f);
+    }
+    for (int64_t m = 0; m < M; ++m) {
+      float s = 0;
+      for (int64_t k = 0; k < w.K; ++k) s += x[m * w.K + k] * row[k];
+      y[m * w.N + n] = s;
+    }
+  }
+}
+
+#endif
+
+ffi::Error check_layer(int64_t layer, int64_t L) {
+  if (layer < 0 || layer >= L) return ffi::Error::InvalidArgument("layer index out of range");
+  return ffi::Error::Success();
+}
+
+bool scale_type(const ffi::AnyBuffer& b, bool* f16) {
+  *f16 = b.element_type() == ffi::DataType::F16;
+  return *f16 || b.element_type() == ffi::DataType::F32;
+}
+
+Scales scales_at(const ffi::AnyBuffer& b, bool f16, int64_t offset_elems) {
+  Scales s;
+  s.f16 = f16;
+  s.p = static_cast<const char*>(b.untyped_data()) + offset_elems * (f16 ? 2 : 4);
+  return s;
+}
+
+ffi::Error QmmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q,
+                   ffi::AnyBuffer scale, std::optional<ffi::AnyBuffer> offset,
+                   ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions(), qd = q.dimensions(), sd = scale.dimensions();
+  if (xd.size() != 2 || qd.size() != 3 || sd.size() != 3)
+    return ffi::Error::InvalidArgument("qmm: x must be [M, K], q and scale [L, N, *]");
+  const bool int4 = q.element_type() == ffi::DataType::U8;
+  if (!int4 && q.element_type() != ffi::DataType::S8)
+    return ffi::Error::InvalidArgument("qmm: codes must be uint8 (int4) or int8");
+  const int64_t M = xd[0], K = xd[1], L = qd[0], N = qd[1];
+  if (qd[2] * (int4 ? 2 : 1) != K || K % 32 || sd[1] != N || K % sd[2] || (K / sd[2]) % 16)
+    return ffi::Error::InvalidArgument("qmm: shapes do not match");
+  bool f16 = false, f16o = false;
+  if (!scale_type(scale, &f16) || (offset && (!scale_type(*offset, &f16o) || f16o != f16)))
+    return ffi::Error::InvalidArgument("qmm: scale and offset must both be float16 or float32");
+  const int64_t l = *layer.typed_data();
+  if (auto e = check_layer(l, L); e.failure()) return e;
+  QMat w;
+  w.int4 = int4;
+  w.N = N;
+  w.K = K;
+  w.G = K / sd[2];
+  const int64_t per_layer_codes = N * qd[2];
+  w.q = static_cast<const uint8_t*>(q.untyped_data()) + l * per_layer_codes;
+  w.scale = scales_at(scale, f16, l * N * sd[2]);
+  if (offset) w.offset = scales_at(*offset, f16, l * N * sd[2]);
+  const float* xp = x.typed_data();
+  float* yp = y->typed_data();
+  parallel_rows(pool, N, 64, [=](int64_t n0, int64_t n1) { qmm_rows(w, xp, M, n0, n1, yp); });
+  return ffi::Error::Success();
+}
+
+ffi::Error QmmOffset(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q,
+                     ffi::AnyBuffer scale, ffi::AnyBuffer offset,
+                     ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+  return QmmImpl(pool, x, q, scale, offset, layer, y);
+}
+
+ffi::Error QmmSym(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q,
+                  ffi::AnyBuffer scale, ffi::Buffer<ffi::S32> layer,
+                  ffi::ResultBuffer<ffi::F32> y) {
+  return QmmImpl(pool, x, q, scale, std::nullopt, layer, y);
+}
+
+// W8A8: activations quantized per row to int8, stored as value + 128 (unsigned, for VNNI's
+// u8 x s8 products); sum_k (x + 128) w = sum_k x w + 128 sum_k w.
+void quantize_rows(const float* x, const float* smooth, int64_t M, int64_t K, uint8_t* xu,
+                   float* xs) {
+  std::vector<float> t(K);
+  for (int64_t m = 0; m < M; ++m) {
+    float amax = 0;
+    for (int64_t k = 0; k < K; ++k) {
+      t[k] = smooth ? x[m * K + k] / smooth[k] : x[m * K + k];
+      amax = std::max(amax, std::fabs(t[k]));
+    }
+    const float s = amax > 0 ? amax / 127.0f : 1.0f;
+    xs[m] = s;
+    for (int64_t k = 0; k < K; ++k) {
+      float v = std::nearbyint(t[k] / s);  // round half to even, as jnp.round
+      v = std::min(127.0f, std::max(-127.0f, v));
+      xu[m * K + k] = static_cast<uint8_t>(static_cast<int>(v) + 128);
+    }
+  }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+
+template <int NR, int MR>
+void tile8(const int8_t* w, const float* ws, const uint8_t* xu, const float* xs, int64_t K,
+           int64_t n, float* y, int64_t N) {
+  __m512i acc[NR][MR], wsum[NR];
+  for (int r = 0; r < NR; ++r) {
+    wsum[r] = _mm512_setzero_si512();
+    for (int i = 0; i < MR; ++i) acc[r][i] = _mm512_setzero_si512();
+  }
+  const __m512i ones = _mm512_set1_epi8(1);
+  for (int64_t k = 0; k < K; k += 64) {
+    const __mmask64 mask = K - k >= 64 ? ~__mmask64(0) : ((__mmask64(1) << (K - k)) - 1);
+    __m512i xv[MR];
+    for (int i = 0; i < MR; ++i) xv[i] = _mm512_maskz_loadu_epi8(mask, xu + i * K + k);
+    for (int r = 0; r < NR; ++r) {
+      const __m512i wv = _mm512_maskz_loadu_epi8(mask, w + (n + r) * K + k);
+      wsum[r] = _mm512_dpbusd_epi32(wsum[r], ones, wv);
+      for (int i = 0; i < MR; ++i) acc[r][i] = _mm512_dpbusd_epi32(acc[r][i], xv[i], wv);
+    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    const int32_t corr = 128 * _mm512_reduce_add_epi32(wsum[r]);
+    for (int i = 0; i < MR; ++i) {
+      const int32_t dot = _mm512_reduce_add_epi32(acc[r][i]) - corr;
+      y[i * N + n + r] = static_cast<float>(dot) * xs[i] * ws[n + r];
+    }
+  }
+}
+
+template <int MR>
+void rows8_m(const int8_t* w, const float* ws, const uint8_t* xu, const float* xs, int64_t K,
+             int64_t n0, int64_t n1, float* y, int64_t N) {
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) tile8<4, MR>(w, ws, xu, xs, K, n, y, N);
+  for (; n < n1; ++n) tile8<1, MR>(w, ws, xu, xs, K, n, y, N);
+}
+
+void w8a8_rows(const int8_t* w, const float* ws, const uint8_t* xu, const float* xs, int64_t M,
+               int64_t K, int64_t n0, int64_t n1, float* y, int64_t N) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) rows8_m<4>(w, ws, xu + m * K, xs + m, K, n0, n1, y + m * N, N);
+  switch (M - m) {
+    case 3: rows8_m<3>(w, ws, xu + m * K, xs + m, K, n0, n1, y + m * N, N); break;
+    case 2: rows8_m<2>(w, ws, xu + m * K, xs + m, K, n0, n1, y + m * N, N); break;
+    case 1: rows8_m<1>(w, ws, xu + m * K, xs + m, K, n0, n1, y + m * N, N); break;
+  }
+}
+
+#else
+
+void w8a8_rows(const int8_t* w, const float* ws, const uint8_t* xu, const float* xs, int64_t M,
+               int64_t K, int64_t n0, int64_t n1, float* y, int64_t N) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = n0; n < n1; ++n) {
+      int64_t dot = 0;
+      for (int64_t k = 0; k < K; ++k)
+        dot += (static_cast<int>(xu[m * K + k]) - 128) * static_cast<int>(w[n * K + k]);
+      y[m * N + n] = static_cast<float>(dot) * xs[m] * ws[n];
+    }
+}
+
+#endif
+
+ffi::Error W8A8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
+                    ffi::AnyBuffer scale, std::optional<ffi::Buffer<ffi::F32>> smooth,
+                    ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions(), qd = q.dimensions(), sd = scale.dimensions();
+  if (xd.size() != 2 || qd.size() != 3 || sd.size() != 3)
+    return ffi::Error::InvalidArgument("w8a8: x must be [M, K], q and scale [L, N, *]");
+  const int64_t M = xd[0], K = xd[1], L = qd[0], N = qd[1];
+  if (qd[2] != K || sd[1] != N || sd[2] != 1)
+    return ffi::Error::InvalidArgument("w8a8: shapes do not match (per-channel scales)");
+  const int64_t l = *layer.typed_data();
+  if (auto e = check_layer(l, L); e.failure()) return e;
+  const int8_t* w = q.typed_data() + l * N * K;
+  bool f16 = false;
+  if (!scale_type(scale, &f16)) return ffi::Error::InvalidArgument("w8a8: scale must be float16 or float32");
+  // per-channel scales as float32 (N values: a copy costs nothing)
+  auto wsv = std::make_shared<std::vector<float>>(N);
+  const Scales sc = scales_at(scale, f16, l * N);
+  for (int64_t n = 0; n < N; ++n) (*wsv)[n] = sc[n];
+  const float* ws = wsv->data();
+  const float* sm = smooth ? smooth->typed_data() + l * K : nullptr;
+  auto xu = std::make_shared<std::vector<uint8_t>>(M * K);
+  auto xs = std::make_shared<std::vector<float>>(M);
+  quantize_rows(x.typed_data(), sm, M, K, xu->data(), xs->data());
+  float* yp = y->typed_data();
+  parallel_rows(pool, N, 64, [=](int64_t n0, int64_t n1) {
+    w8a8_rows(w, wsv->data(), xu->data(), xs->data(), M, K, n0, n1, yp, N);
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error W8A8Plain(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
+                     ffi::AnyBuffer scale, ffi::Buffer<ffi::S32> layer,
+                     ffi::ResultBuffer<ffi::F32> y) {
+  return W8A8Impl(pool, x, q, scale, std::nullopt, layer, y);
+}
+
+ffi::Error W8A8Smooth(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
+                      ffi::AnyBuffer scale, ffi::Buffer<ffi::F32> smooth,
+                      ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+  return W8A8Impl(pool, x, q, scale, smooth, layer, y);
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmQmm, QmmOffset,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmQmmSym, QmmSym,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmW8A8, W8A8Plain,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmW8A8Smooth, W8A8Smooth,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

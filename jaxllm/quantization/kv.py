@@ -1,0 +1,100 @@
+"""A quantized KV cache: int8 or fp8 (e4m3) values with one float32 scale per token and KV
+head, written when the step's keys and values enter the cache.
+
+The cache is then a `QuantizedKV(data [layers, 2, kv_heads, slots, head_dim], scale [layers,
+2, kv_heads, slots])` instead of one float array; both share the slot axis, so block moves
+and tensor parallelism (by KV head) treat them alike. A per-token scale keeps int8 accurate
+whatever the magnitude of a token's keys (no calibration needed, unlike one static scale per
+tensor); it costs 4 bytes per head_dim values, so int8 holds 8 + 32 / head_dim bits per value:
+1.9x the tokens of bf16 at head_dim 64 (3.8x of f32).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from jaxllm.quantization.formats import FP8_MAX
+
+KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3")
+
+
+def validate_kv_dtype(name: str) -> None:
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
+
+
+def storage_dtype(name: str):
+    """The values' dtype of a kv_cache_dtype (None: "auto", the activation dtype unquantized)."""
+    validate_kv_dtype(name)
+    return {"auto": None, "int8": jnp.int8, "fp8": jnp.float8_e4m3fn,
+            "fp8_e4m3": jnp.float8_e4m3fn}[name]
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class QuantizedKV:
+    data: jax.Array   # int8 | float8_e4m3fn [L, 2, KVH, slots, D]
+    scale: jax.Array  # f32 [L, 2, KVH, slots]
+
+
+def make_cache(shape: tuple[int, ...], dtype, kv_dtype: str = "auto"):
+    """Zeros of the cache: a float array, or a QuantizedKV for int8 / fp8."""
+    store = storage_dtype(kv_dtype)
+    if store is None:
+        return jnp.zeros(shape, dtype)
+    return QuantizedKV(jnp.zeros(shape, store), jnp.zeros(shape[:-1], jnp.float32))
+
+
+def bytes_per_value(dtype, kv_dtype: str, head_dim: int) -> float:
+    store = storage_dtype(kv_dtype)
+    if store is None:
+        return jnp.dtype(dtype).itemsize
+    return jnp.dtype(store).itemsize + 4 / head_dim
+
+
+def cache_axes(axes: tuple[str, ...], cache) -> object:
+    """The cache's logical axes, shaped like the cache (the scales have no head_dim)."""
+    if isinstance(cache, QuantizedKV):
+        return QuantizedKV(axes, axes[:-1])
+    return axes
+
+
+def _quantize(x: jax.Array, store):
+    """[..., D] -> (values, scale [...]) per token and head."""
+    x = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x), axis=-1)
+    top = 127.0 if store == jnp.int8 else FP8_MAX
+    s = jnp.where(amax > 0, amax / top, 1.0)
+    y = x / s[..., None]
+    if store == jnp.int8:
+        return jnp.clip(jnp.round(y), -127, 127).astype(jnp.int8), s
+    return y.astype(store), s
+
+
+def write(cache, layer, k: jax.Array, v: jax.Array, slot_mapping: jax.Array):
+    """k, v: [T, KVH, D] -> written at cache[layer, 0/1, :, slot_mapping]."""
+    kv = jnp.stack([k, v], axis=0).swapaxes(1, 2)  # [2, KVH, T, D]
+    if not isinstance(cache, QuantizedKV):
+        return cache.at[layer, :, :, slot_mapping].set(kv.astype(cache.dtype).transpose(2, 0, 1, 3),
+                                                       mode="drop")
+    q, s = _quantize(kv, cache.data.dtype)
+    data = cache.data.at[layer, :, :, slot_mapping].set(q.transpose(2, 0, 1, 3), mode="drop")
+    scale = cache.scale.at[layer, :, :, slot_mapping].set(s.transpose(2, 0, 1), mode="drop")
+    return QuantizedKV(data, scale)
+
+
+def read(cache, layer, which: int, slots: jax.Array) -> jax.Array:
+    """cache[layer, which, :, slots] in f32: slots [...] -> [..., KVH, D]."""
+    if not isinstance(cache, QuantizedKV):
+        return cache[layer, which, :, slots].astype(jnp.float32)
+    vals = cache.data[layer, which, :, slots].astype(jnp.float32)
+    return vals * cache.scale[layer, which, :, slots][..., None]
+
+
+def dequantize(cache) -> jax.Array:
+    """The whole cache in f32 (references in tests)."""
+    if not isinstance(cache, QuantizedKV):
+        return cache.astype(jnp.float32)
+    return cache.data.astype(jnp.float32) * cache.scale[..., None]

@@ -1,0 +1,371 @@
+"""Quantized weights: formats against references, the CPU kernels against the XLA path,
+quantized checkpoints (ours, AWQ, GPTQ, compressed-tensors, GGUF) against the float model
+holding the same dequantized weights, tensor parallelism, and refusals."""
+import json
+import os
+import subprocess
+import sys
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import make_tiny_checkpoint
+from jaxllm.layers.linear import uniform_policy
+from jaxllm.loader import load_model
+from jaxllm.quantization import formats as F
+from jaxllm.quantization.qweight import QWeight, matmul_xla
+from test_models import all_logits, hf_logits
+
+T = gguf.GGMLQuantizationType
+RNG = np.random.default_rng(0)
+
+
+def rel(a, b):
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+# formats
+def test_int4_packing_round_trip_and_layout():
+    codes = RNG.integers(0, 16, (3, 5, 96)).astype(np.uint8)
+    packed = F.pack_int4(codes)
+    assert packed.shape == (3, 5, 48)
+    np.testing.assert_array_equal(F.unpack_int4(packed), codes)
+    # GGUF's Q4 order: byte j of a 32-block holds code j (low nibble) and code j + 16 (high)
+    np.testing.assert_array_equal(packed[..., 0], codes[..., 0] | (codes[..., 16] << 4))
+    np.testing.assert_array_equal(packed[..., 16], codes[..., 32] | (codes[..., 48] << 4))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        F.pack_int4(codes[..., :40])
+
+
+@pytest.mark.parametrize("kind,group", [("int8", None), ("int8", 32), ("int4", 32), ("int4", 128), ("fp8", None)])
+def test_online_quantizers_round_to_nearest(kind, group):
+    w = RNG.standard_normal((6, 256)).astype(np.float32)
+    w[0] = 0.25  # a constant row: zero range in every group (int4 holds it exactly)
+    h = {"int8": lambda: F.quantize_int8(w, group), "int4": lambda: F.quantize_int4(w, group),
+         "fp8": lambda: F.quantize_fp8(w)}[kind]()
+    deq = h.dequantize()
+    if kind == "fp8":  # 3 mantissa bits: relative error at most 2^-4 of the scaled value
+        np.testing.assert_array_less(np.abs(deq - w), np.abs(w) * 2.0 ** -4 + 1e-6)
+        return
+    g = h.group
+    step = np.repeat(h.scale, g, axis=-1)
+    np.testing.assert_array_less(np.abs(deq - w), step / 2 + 1e-6)
+    codes = h.codes()
+    assert (codes.min(), codes.max()) >= ((0, 0) if kind == "int4" else (-127, -127))
+    assert codes.max() <= (15 if kind == "int4" else 127)
+    if kind == "int4":
+        np.testing.assert_array_equal(deq[0], 0.25)
+    # scales (and offsets) are rounded to float16 so that they are stored exactly in it
+    compact = h.compact()
+    assert compact.scale.dtype == np.float16
+    np.testing.assert_array_equal(compact.dequantize(), deq)
+
+
+def _random_blocks(qtype, rows: int, cols: int) -> np.ndarray:
+    """Random K-quant blocks (any bit pattern is a block) with sane f16 scale fields."""
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = RNG.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    f16 = lambda n: RNG.uniform(0.001, 0.05, (rows, cols // block, n)).astype(np.float16).view(np.uint8)
+    if qtype in (T.Q4_K, T.Q5_K):
+        raw[..., 0:4] = f16(2)
+    else:  # Q6_K: d at the end
+        raw[..., 208:210] = f16(1)
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+def test_gguf_blocks_convert_without_loss(name):
+    qtype = T[name]
+    if name.endswith("_K"):
+        raw = _random_blocks(qtype, 8, 512)
+    else:
+        raw = gguf.quants.quantize(RNG.standard_normal((8, 512)).astype(np.float32), qtype)
+    h = F.from_gguf(raw, qtype, (8, 512))
+    want = {"Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4"}.get(name, "int8")
+    assert h.kind == want
+    ref = gguf.quants.dequantize(raw, qtype).reshape(8, 512)
+    np.testing.assert_allclose(h.dequantize(), ref, rtol=1e-6, atol=1e-6 * np.abs(ref).max())
+
+
+def test_checkpoint_packers_unpack_to_their_weights():
+    from quant_util import awq_tensors, gptq_tensors, pack_quantized_tensors
+    w = RNG.standard_normal((48, 128)).astype(np.float32)
+    t, deq = awq_tensors(w, 32)
+    np.testing.assert_allclose(F.from_awq(t["qweight"], t["qzeros"], t["scales"], 32).dequantize(),
+                               deq, rtol=1e-5, atol=1e-6)
+    t, deq = gptq_tensors(w, 32)
+    np.testing.assert_allclose(F.from_gptq(t["qweight"], t["qzeros"], t["scales"], 32, t["g_idx"]).dequantize(),
+                               deq, rtol=1e-5, atol=1e-6)
+    t, deq = pack_quantized_tensors(w, 32)
+    np.testing.assert_allclose(F.from_pack_quantized(t["weight_packed"], t["weight_scale"]).dequantize(),
+                               deq, rtol=1e-5, atol=1e-6)
+    # act-order GPTQ (a permuted g_idx) cannot be held in contiguous groups
+    t, _ = gptq_tensors(w, 32)
+    with pytest.raises(ValueError, match="act-order"):
+        F.from_gptq(t["qweight"], t["qzeros"], t["scales"], 32, RNG.permutation(t["g_idx"]))
+
+
+# kernels
+CASES = {
+    "int4 g64 float16 scales": lambda w: F.quantize_int4(w, 64).compact(),
+    "int4 g64": lambda w: F.quantize_int4(w, 64),
+    "int8 per channel": lambda w: F.quantize_int8(w).compact(),
+    "int8 g16 with offsets": lambda w: F.HostQuant("int8", F.quantize_int8(w, 16).q, F.quantize_int8(w, 16).scale,
+                                                   RNG.standard_normal((*w.shape[:-1], w.shape[-1] // 16)).astype(np.float32)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES) + ["w8a8", "w8a8 smooth"])
+def test_cpu_kernels_match_the_xla_path(case):
+    from jaxllm.quantization import cpu
+    if not cpu.available():
+        pytest.fail("the CPU kernels did not build here (see the warning)")
+    w = RNG.standard_normal((3, 70, 192)).astype(np.float32)  # 3 layers, N not a multiple of 4
+    h = CASES.get(case, CASES["int8 per channel"])(w)
+    assert h.scale.dtype == (np.float16 if "float16" in case or "per channel" in case or "w8a8" in case
+                             else np.float32)
+    act = "int8" if case.startswith("w8a8") else "none"
+    smooth = jnp.asarray(RNG.uniform(0.5, 2.0, (3, 192)).astype(np.float32)) if "smooth" in case else None
+    parts = [jnp.asarray(a) if a is not None else None for a in (h.q, h.scale, h.offset)]
+    pol = uniform_policy(jnp.float32)
+    for M in (1, 3, 4, 9):
+        x = jnp.asarray(RNG.standard_normal((M, 192)).astype(np.float32))
+        for layer in (0, 2):
+            ref = np.asarray(jax.jit(lambda x, w: matmul_xla(x, w, pol))(
+                x, QWeight(*parts, smooth, jnp.int32(layer), act, "xla")))
+            got = np.asarray(jax.jit(cpu.matmul)(x, QWeight(*parts, smooth, jnp.int32(layer), act, "cpu")))
+            assert rel(got, ref) < 1e-5, (case, M, layer)
+            if act == "none":  # and both equal the dequantized matrix product
+                assert rel(ref, np.asarray(x) @ h.dequantize()[layer].T) < 1e-5
+
+
+@pytest.mark.parametrize("kind,group,N,K,M", [("int4", 32, 96, 128, 5), ("int4", 128, 64, 256, 20),
+                                               ("int8", 16, 64, 64, 3), ("int8", 32, 48, 96, 17)])
+def test_pallas_group_quantized_matmul(kind, group, N, K, M):
+    """The GPU kernel for group-quantized weights (interpret mode) against its reference and
+    the dequantized matrix product, reading layer 1 of a stack."""
+    from pallas_kernels.quantized_matmul import quantized_matmul
+    from pallas_kernels.quantized_matmul_ref import quantized_matmul_ref
+    w = RNG.standard_normal((2, N, K)).astype(np.float32)
+    h = (F.quantize_int4(w, group) if kind == "int4" else F.quantize_int8(w, group)).compact()
+    q, s, o = jnp.asarray(h.q), jnp.asarray(h.scale), None if h.offset is None else jnp.asarray(h.offset)
+    x = jnp.asarray(RNG.standard_normal((M, K)).astype(np.float32))
+    got = np.asarray(quantized_matmul(x, q, s, o, 1, interpret=True))
+    ref = np.asarray(quantized_matmul_ref(x, q, s, o, 1))
+    assert rel(got, ref) < 1e-5 and rel(ref, np.asarray(x) @ h.dequantize()[1].T) < 1e-5
+
+
+# models
+def _set_dequantized(hf, layout_of):
+    """Replace every matrix of the torch model by its quantize-dequantize round trip."""
+    import torch
+
+    from jaxllm.quantization import quantize_host
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            layout = layout_of(name, p)
+            if layout is not None:
+                w = quantize_host(p.detach().numpy().astype(np.float32), layout).dequantize()
+                p.copy_(torch.from_numpy(w))
+
+
+@pytest.fixture(scope="module")
+def tiny_hf(tmp_path_factory, tokenizer_dir):
+    d = tmp_path_factory.mktemp("qtiny")
+    hf = make_tiny_checkpoint(d, "llama3", tokenizer_dir)
+    return str(d), hf
+
+
+IDS = RNG.integers(0, 49152, 37).tolist()
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_online_weight_only_equals_its_dequantized_weights(tiny_hf, method):
+    """Every matrix (the embedding and LM head too) quantized at load: the logits equal HF's on
+    the same dequantized weights."""
+    import copy
+
+    from jaxllm.quantization import QuantLayout
+    from jaxllm.quantization.formats import int4_group
+    path, hf = tiny_hf
+    loaded = load_model(path, jnp.float32, load_tokenizer=False, quantization=method)
+    assert loaded.quant.method == method and loaded.quant.backend == "cpu"
+    assert {n for n, _ in loaded.quant.layouts} >= {"embed_tokens", "lm_head", "layers.wqkv",
+                                                     "layers.wo", "layers.w_gate_up", "layers.w_down"}
+    ref_model = copy.deepcopy(hf)
+
+    def layout(name, p):
+        if p.ndim != 2:
+            return None
+        K = p.shape[1]
+        return QuantLayout("int8", K) if method == "int8" else QuantLayout("int4", int4_group(K), True)
+
+    _set_dequantized(ref_model, layout)
+    assert rel(all_logits(loaded, IDS), hf_logits(ref_model, IDS)) < 1e-4
+
+
+def test_pallas_backend_in_the_model(tiny_hf, monkeypatch):
+    """int4 weights through the GPU kernel (interpreted): the same logits as XLA's dots."""
+    path, _ = tiny_hf
+    monkeypatch.setenv("JAXLLM_QUANT_BACKEND", "pallas_interpret")
+    kernel = load_model(path, jnp.float32, load_tokenizer=False, quantization="int4")
+    assert kernel.quant.backend == "pallas_interpret"
+    monkeypatch.setenv("JAXLLM_QUANT_BACKEND", "xla")
+    xla = load_model(path, jnp.float32, load_tokenizer=False, quantization="int4")
+    assert rel(all_logits(kernel, IDS[:12]), all_logits(xla, IDS[:12])) < 1e-5
+
+
+@pytest.mark.parametrize("method", ["w8a8", "fp8"])
+def test_activation_quantized_methods(tiny_hf, method, monkeypatch):
+    """W8A8 and FP8 quantize activations per token: the CPU kernels equal the XLA path, and the
+    logits stay near the float model's."""
+    path, hf = tiny_hf
+    ours = all_logits(load_model(path, jnp.float32, load_tokenizer=False, quantization=method), IDS)
+    monkeypatch.setenv("JAXLLM_CPU_KERNELS", "0")
+    xla = load_model(path, jnp.float32, load_tokenizer=False, quantization=method)
+    assert xla.quant.backend == "xla"
+    assert rel(ours, all_logits(xla, IDS)) < 1e-4
+    assert rel(ours, hf_logits(hf, IDS)) < 0.05
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq", "compressed-tensors"])
+def test_prequantized_checkpoints_load_quantized(tmp_path, tokenizer_dir, method):
+    from quant_util import write_quantized
+    hf = make_tiny_checkpoint(tmp_path, "llama3", tokenizer_dir, seed=3)
+    write_quantized(hf, str(tmp_path), method, group=32)
+    loaded = load_model(str(tmp_path), jnp.float32, load_tokenizer=False)
+    assert loaded.quant.method == method
+    layouts = dict(loaded.quant.layouts)
+    assert layouts["layers.wqkv"].kind == "int4" and layouts["layers.wqkv"].group == 32
+    assert "embed_tokens" not in layouts  # float in these checkpoints
+    assert rel(all_logits(loaded, IDS), hf_logits(hf, IDS)) < 1e-4
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
+def test_gguf_files_run_quantized(tmp_path, default_gguf, qtype):
+    """A tiny model written as a Q4_0 / Q8_0 GGUF with the gguf package: kept quantized, its
+    logits equal those of transformers reading the same file (which dequantizes it)."""
+    import torch
+    import transformers
+    from gguf_util import write_gguf
+    # no RoPE scaling: transformers' GGUF reader ignores llama.cpp's rope_freqs
+    hf = make_tiny_checkpoint(tmp_path / "hf", "mistral", seed=5)
+    path = tmp_path / "tiny.gguf"
+    write_gguf(hf, str(path), tokenizer_from=default_gguf, qtype=T[qtype])
+    loaded = load_model(str(path), jnp.float32, load_tokenizer=False)
+    assert loaded.quant.method == "gguf"
+    assert dict(loaded.quant.layouts)["layers.w_down"].kind == ("int4" if qtype == "Q4_0" else "int8")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file="tiny.gguf", torch_dtype=torch.float32)
+    assert rel(all_logits(loaded, IDS), hf_logits(ref, IDS)) < 1e-4
+
+
+def test_default_model_runs_its_q4_1_weights(default_gguf):
+    """The default model keeps its Q4_1 layers (int4, groups of 32, scale and offset) and its
+    Q8_0 embedding; its logits equal the dequantized model's."""
+    q = load_model(default_gguf, jnp.float32, load_tokenizer=False)
+    layouts = dict(q.quant.layouts)
+    assert q.quant.method == "gguf"
+    assert layouts["layers.wqkv"] == layouts["layers.w_down"]
+    assert (layouts["layers.wqkv"].kind, layouts["layers.wqkv"].group, layouts["layers.wqkv"].offset) == ("int4", 32, True)
+    assert (layouts["embed_tokens"].kind, layouts["embed_tokens"].group) == ("int8", 32)
+    f = load_model(default_gguf, jnp.float32, load_tokenizer=False, quantization="none")
+    assert f.quant is None
+    from jaxllm.quantization import weight_bytes
+    assert weight_bytes(q.state) < 0.25 * weight_bytes(f.state)
+    ids = IDS[:24]
+    assert rel(all_logits(q, ids), all_logits(f, ids)) < 1e-4
+
+
+# refusals
+def test_bad_quantization_inputs(tmp_path, tiny_hf, tokenizer_dir):
+    from jaxllm.config import EngineConfig
+    from quant_util import write_quantized
+    path, _ = tiny_hf
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        EngineConfig(quantization="int3")
+    with pytest.raises(ValueError, match="needs a checkpoint quantized with it"):
+        load_model(path, jnp.float32, load_tokenizer=False, quantization="awq")
+    hf = make_tiny_checkpoint(tmp_path, "llama3", tokenizer_dir)
+    write_quantized(hf, str(tmp_path), "compressed-tensors", group=32)
+    cfg_path = tmp_path / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    with pytest.raises(ValueError, match="online quantization needs float weights"):
+        load_model(str(tmp_path), jnp.float32, load_tokenizer=False, quantization="int4")
+    # the config says AWQ, the tensors are compressed-tensors'
+    cfg_path.write_text(json.dumps(cfg | {"quantization_config": {
+        "quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"}}))
+    with pytest.raises(ValueError, match="belongs to compressed-tensors, but quantization_config says awq"):
+        load_model(str(tmp_path), jnp.float32, load_tokenizer=False)
+    # a group size that does not divide the input size
+    write_quantized(hf, str(tmp_path), "gptq", group=32)
+    gptq = json.loads(cfg_path.read_text())
+    gptq["quantization_config"]["group_size"] = 48
+    cfg_path.write_text(json.dumps(gptq))
+    with pytest.raises(ValueError, match=r"gptq group_size 48 does not divide the input size (64|128)"):
+        load_model(str(tmp_path), jnp.float32, load_tokenizer=False)
+    gptq["quantization_config"] = {"quant_method": "bitsandbytes"}
+    cfg_path.write_text(json.dumps(gptq))
+    with pytest.raises(ValueError, match="'bitsandbytes' is not supported"):
+        load_model(str(tmp_path), jnp.float32, load_tokenizer=False)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_quantized_weights(tiny_llama, tmp_path, default_gguf):
+    """Quantized weights split over 2 devices, scales sharded with their weights: int8 per
+    channel made at load, and a Q4_0 GGUF whose groups of 32 split along the row-parallel
+    o projection's input. The same greedy tokens as one device."""
+    from gguf_util import write_gguf
+    hf = make_tiny_checkpoint(tmp_path / "hf", "llama3", seed=2)
+    gguf_path = str(tmp_path / "q4_0.gguf")
+    write_gguf(hf, gguf_path, tokenizer_from=default_gguf, qtype=T.Q4_0)
+    here = os.path.dirname(__file__)
+    for model, method in ((tiny_llama, "int8"), (gguf_path, "")):
+        env = dict(os.environ, JAXLLM_TEST_QUANT=method)
+        proc = subprocess.run([sys.executable, os.path.join(here, "tp_worker.py"), model, "1,2"],
+                              capture_output=True, text=True, env=env, timeout=600)
+        line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+        assert line, proc.stderr[-3000:]
+        res = json.loads(line[len("RESULT "):])
+        assert "error" not in res["2"], res["2"]
+        assert res["1"]["tokens"] == res["2"]["tokens"], model
+        np.testing.assert_allclose(np.concatenate(res["1"]["logprobs"]), np.concatenate(res["2"]["logprobs"]),
+                                   atol=2e-3)
+        full, shard = res["2"]["wqkv_full"], res["2"]["wqkv_shard"]
+        assert shard[1] * 2 == full[1] and shard[2] == full[2], (model, full, shard)
+        sfull, sshard = res["2"]["wo_scale_full"], res["2"]["wo_scale_shard"]
+        if method == "int8":  # one scale per output channel: whole on each device
+            assert sshard == sfull
+        else:  # 64 inputs of o in two groups of 32: one group per device
+            assert sfull[2] == 2 and sshard[2] == 1 and sshard[1] == sfull[1]
+
+
+def test_int8_kv_cache_through_the_engine(tiny_llama, caplog):
+    """An int8 KV cache holds 4 / (1 + 4 / head_dim) times the tokens of f32 in the same memory
+    (3.2x at this model's head_dim of 16, 3.8x at 64; the log says so);
+    swapping its blocks out and back and copy-on-write forks move values and scales exactly:
+    greedy tokens equal an unpreempted int8 run's."""
+    import logging
+
+    from conftest import SMALL_ENGINE
+    from jaxllm import LLM, SamplingParams
+    rng = np.random.default_rng(12)
+    prompts = [rng.integers(10, 40000, size=40).tolist() for _ in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, n=2, best_of=2)
+    with caplog.at_level(logging.INFO, logger="jaxllm"):
+        roomy = LLM(tiny_llama, kv_cache_dtype="int8", kv_cache_memory_bytes=1 << 22, warmup=False,
+                    **SMALL_ENGINE)
+    assert "KV cache dtype int8: 3.20x the tokens of float32" in caplog.text
+    f32_blocks = (1 << 22) // (2 * 2 * 16 * 2 * 16 * 4)  # layers, K/V, block, kv heads, head_dim, f32
+    assert roomy.llm_engine.kv_manager.pool.num_blocks >= 3.19 * f32_blocks
+    want = [[c.token_ids for c in o.outputs] for o in roomy.generate(prompts, params, use_tqdm=False)]
+    tight = LLM(tiny_llama, kv_cache_dtype="int8", num_gpu_blocks_override=17, preemption_mode="swap",
+                swap_space=0.01, enable_prefix_caching=False, warmup=False, **SMALL_ENGINE)
+    got = [[c.token_ids for c in o.outputs] for o in tight.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    sched, kv = tight.llm_engine.scheduler, tight.llm_engine.kv_manager
+    assert sched.num_swaps > 0
+    assert kv.num_free_blocks == kv.pool.num_usable_blocks
