@@ -330,6 +330,46 @@ def test_disable_by_batch_size(self_draft_llm, monkeypatch):
     assert all(d == 0 for n, d in seen if n > 4) and any(d > 0 for n, d in seen if n <= 4)
 
 
+def test_structured_outputs_are_refused_while_speculating(self_draft_llm):
+    """Verified proposals are not masked by a grammar: a constrained request is refused up
+    front, naming the field, and the engine carries on."""
+    from jaxllm.sampling_params import StructuredOutputsParams
+    llm = self_draft_llm
+    eng = llm.llm_engine
+    params = SamplingParams(max_tokens=5, structured_outputs=StructuredOutputsParams(choice=["a", "b"]))
+    with pytest.raises(ValueError, match="structured_outputs is not supported with speculative_config"):
+        llm.generate({"prompt_token_ids": list(range(300, 310))}, params, use_tqdm=False)
+    with pytest.raises(ValueError, match="structured_outputs is not supported with speculative_config"):
+        eng.add_request("s0", {"prompt_token_ids": list(range(300, 310))}, params)
+    assert not eng.has_unfinished_requests() and not eng.scheduler.has_unfinished_requests()
+    out = llm.generate({"prompt_token_ids": list(range(300, 310))},
+                       SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_quantized_kv_cache_with_a_draft_model(peaked_model):
+    """kv_cache_dtype applies to the draft's cache too (QuantizedKV over the same blocks): a
+    draft equal to the target still proposes exactly the target's greedy tokens."""
+    spec = {"method": "draft_model", "model": peaked_model, "num_speculative_tokens": 2}
+    llm = spec_llm(peaked_model, spec, kv_cache_dtype="int8", max_num_seqs=4,
+                   max_num_batched_tokens=16, max_model_len=64)
+    eng = llm.llm_engine
+    from jaxllm.quantization.kv import QuantizedKV
+    assert isinstance(eng.runner.kv_cache, QuantizedKV)
+    assert isinstance(eng.runner.drafter.kv_cache, QuantizedKV)
+    rng = np.random.default_rng(4)
+    prompts = [{"prompt_token_ids": rng.integers(10, 40000, size=n).tolist()} for n in (3, 20)]
+    before = spec_counts(llm)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+                        use_tqdm=False)
+    drafts, drafted, accepted = spec_counts(llm) - before
+    assert drafts > 0 and accepted == drafted
+    assert all(len(o.outputs[0].token_ids) == 20 for o in outs)
+    assert eng.kv_manager.num_free_blocks == eng.kv_manager.pool.num_usable_blocks
+    assert eng.runner.num_compiles_after_warmup == 0
+    assert eng.runner.drafter.num_compiles_after_warmup == 0
+
+
 def test_draft_vocabulary_must_match(peaked_model, tmp_path, tokenizer_dir):
     from conftest import make_tiny_checkpoint
     make_tiny_checkpoint(tmp_path, "llama3", tokenizer_dir, vocab_size=49000)

@@ -166,7 +166,7 @@ class LLMEngine:
         # sequences); they join the scheduler when it is ready
         self._awaiting_grammar: dict[str, tuple[concurrent.futures.Future, list[Request]]] = {}
         self.inputs = InputProcessor(self.tokenizer, self.arch.vocab_size, config.max_model_len,
-                                     self.structured)
+                                     self.structured, speculative=spec is not None)
         self.outputs = OutputProcessor(self.tokenizer)
         # async scheduling: the step dispatched last, whose tokens the host has not read yet
         self._in_flight: tuple[SchedulerOutput, InFlight | None] | None = None
