@@ -11,13 +11,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-DATASETS = ("random", "sharegpt", "prefix-chat")
+DATASETS = ("random", "sharegpt", "prefix-chat", "copy")
 
 
 @dataclass
 class Sample:
     prompt_token_ids: list[int]
     output_len: int
+    stop_at_eos: bool = False  # the request ends at its EOS (else it runs output_len tokens)
 
 
 class TokenSource:
@@ -94,3 +95,75 @@ def prefix_chat(src: TokenSource, num_conversations: int, turns: int, system_len
     system = src.tokens(system_len)
     users = [[src.tokens(user_len) for _ in range(turns)] for _ in range(num_conversations)]
     return ChatWorkload(system, users, output_len)
+
+
+# Copy-heavy requests: the answer repeats long spans of the prompt (an edit that returns the
+# whole text). Paragraphs written for this benchmark; one word of each gets a typo.
+PARAGRAPHS = [
+    "The old lighthouse stood at the edge of the cliff for more than a hundred years. Every "
+    "night its keeper climbed the narrow stairs, trimmed the wick and wound the clockwork that "
+    "turned the great lens. Ships passing in the dark counted the flashes and knew exactly "
+    "where they were, even when the fog rolled in from the sea and hid the rocks below.",
+    "Bread is one of the oldest prepared foods. A simple dough of flour, water and salt is "
+    "left to rise with yeast, then shaped and baked until the crust turns golden brown. The "
+    "long, slow rise gives the yeast time to develop flavour, which is why many bakers prefer "
+    "to leave their dough in a cool place overnight before baking it in the morning.",
+    "The committee met on Tuesday to review the budget for the coming year. After a long "
+    "discussion, the members agreed to increase the funding for the public library and to "
+    "delay the repairs to the town hall until the spring. The final report will be published "
+    "next month, and residents are invited to send their comments before the end of May.",
+    "Rivers shape the land they flow through. Over thousands of years, moving water carries "
+    "sand and stones downstream, cutting deep valleys into the hills and building wide, flat "
+    "plains near the coast. When a river floods, it spreads fresh soil across its banks, which "
+    "is why so many farming villages have been built close to the water.",
+    "To reset your password, open the settings page and choose the security tab. Enter your "
+    "current password, then type the new one twice to confirm it. A strong password is at "
+    "least twelve characters long and mixes letters, numbers and symbols. If you have "
+    "forgotten your current password, use the link on the sign-in page to receive a reset email.",
+    "The museum's new exhibition brings together paintings from three centuries. Visitors "
+    "begin in a small room of early portraits, walk through a long gallery of landscapes and "
+    "finish in a bright hall filled with modern work. Guided tours run every hour, and the "
+    "museum stays open late on Fridays so that people can visit after work.",
+    "A good night's sleep helps the body recover and the mind stay sharp. Most adults need "
+    "between seven and nine hours each night. Going to bed at the same time every day, keeping "
+    "the bedroom dark and quiet, and avoiding screens for an hour before sleep can all make it "
+    "easier to fall asleep and to wake up feeling rested.",
+    "The train left the station just after six in the morning. As it climbed into the "
+    "mountains, the passengers watched the villages grow smaller and the snow grow deeper. By "
+    "noon they had crossed the highest pass, and the long descent towards the lakes began, "
+    "with the afternoon sun shining on the water far below.",
+]
+COPY_INSTRUCTIONS = [
+    "Fix the typo in this paragraph and write out the whole corrected paragraph:",
+    "Correct the spelling mistake in the following text. Reply with the full corrected text only:",
+]
+
+
+def _typo(rng, text: str) -> str:
+    """Swap two letters inside one longer word."""
+    words = text.split(" ")
+    candidates = [i for i, w in enumerate(words) if len(w) > 5 and w.isalpha()]
+    i = candidates[int(rng.integers(len(candidates)))]
+    w = words[i]
+    j = int(rng.integers(1, len(w) - 2))
+    words[i] = w[:j] + w[j + 1] + w[j] + w[j + 2:]
+    return " ".join(words)
+
+
+def copy_dataset(src: TokenSource, tokenizer, num: int, output_len: int | None = None) -> list[Sample]:
+    """"Fix the typo in this paragraph" chat requests: the answer repeats the paragraph, so
+    proposals looked up in the prompt (n-gram) are often right. Each request may generate up
+    to 1.5x its paragraph's length (or output_len); it ends at its EOS."""
+    if tokenizer is None:
+        raise ValueError("the copy dataset needs the model's tokenizer (it writes chat prompts)")
+    out = []
+    for i in range(num):
+        para = PARAGRAPHS[i % len(PARAGRAPHS)]
+        text = f"{COPY_INSTRUCTIONS[i % len(COPY_INSTRUCTIONS)]}\n\n{_typo(src.rng, para)}"
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
+                                            add_generation_prompt=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        n_out = output_len or int(1.5 * len(tokenizer.encode(para)))
+        out.append(Sample(list(ids), n_out, stop_at_eos=True))
+    return out

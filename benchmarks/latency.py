@@ -129,6 +129,9 @@ def run(args) -> int:
     from jaxllm.llm import LLM
 
     config = engine_config_from_args(args)
+    if config.speculative_config is not None:
+        raise SystemExit("bench latency replays unspeculated decode steps; for speculative "
+                         "decoding use bench spec")
     llm = LLM(config=config)
     engine = llm.llm_engine
     recorder = _Recorder(engine.runner)

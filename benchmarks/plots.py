@@ -65,3 +65,51 @@ def serve_plots(runs: list[dict], result: dict, json_path: str) -> list[str]:
         f.write("\n".join(lines) + "\n")
     print(f"wrote {md} and {len(paths)} plot(s)")
     return paths + [md]
+
+
+def spec_plots(result: dict, json_path: str) -> list[str]:
+    """Speculative decoding's speed-up and mean acceptance length against batch size, and a
+    markdown table beside the JSON report."""
+    stem = os.path.splitext(json_path)[0]
+    sizes = result["workload"]["batch_sizes"]
+    runs = result["runs"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, r in runs.items():
+        if name == "none":
+            continue
+        ax1.plot(sizes, [r[f"batch_{b}"]["speedup"] for b in sizes], "o-", label=name)
+        mal = [r[f"batch_{b}"]["speculative_decoding"]["mean_acceptance_length"] for b in sizes]
+        ax2.plot(sizes, [m if m is not None else float("nan") for m in mal], "s-", label=name)
+    ax1.axhline(1.0, color="gray", lw=1, ls="--")
+    for ax, label in ((ax1, "speed-up (output tok/s over no speculation)"),
+                      (ax2, "mean acceptance length")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [str(b) for b in sizes])
+        ax.set_xlabel("batch size (concurrent requests)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"speculative decoding, {result['workload']['dataset']} workload")
+    png = f"{stem}.png"
+    fig.savefig(png, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    lines = [f"# Speculative decoding: {result['engine']['model']}", "",
+             f"Command: `{result.get('command', '')}`  ", f"Date: {result.get('date', '')}  ",
+             f"Machine: {result.get('machine', '')}", "",
+             "| config | batch | output tok/s | speed-up | mean acceptance length | same outputs |",
+             "|---|---|---|---|---|---|"]
+    for name, r in runs.items():
+        for b in sizes:
+            x = r[f"batch_{b}"]
+            sd = x.get("speculative_decoding") or {}
+            mal = sd.get("mean_acceptance_length")
+            lines.append(f"| {name} | {b} | {x['output_tokens_per_s']:.1f} | "
+                         f"{x['speedup']:.2f}x | {'-' if mal is None else f'{mal:.2f}'} | "
+                         f"{x['same_outputs']}/{x['requests']} |" if name != "none" else
+                         f"| {name} | {b} | {x['output_tokens_per_s']:.1f} | 1 | - | - |")
+    lines += ["", f"![{os.path.basename(png)}]({os.path.basename(png)})"]
+    md = f"{stem}.md"
+    with open(md, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print(f"wrote {png} and {md}")
+    return [png, md]

@@ -129,6 +129,8 @@ def run(args) -> int:
     from jaxllm.sampling_params import SamplingParams, StructuredOutputsParams
 
     config = engine_config_from_args(args)
+    if config.speculative_config is not None:
+        raise SystemExit("bench structured: structured outputs are not supported with --speculative-config")
     llm = LLM(config=config)
     engine = llm.llm_engine
     tok = engine.tokenizer

@@ -65,6 +65,8 @@ def make_rounds(args, engine) -> tuple[list, object]:
             return [datasets.sharegpt_file(args.dataset_path, tok, args.num_prompts, max_len,
                                            args.workload_seed)], None
         return [datasets.sharegpt_like(src, args.num_prompts, max_len)], None
+    if args.dataset_name == "copy":
+        return [datasets.copy_dataset(src, tok, args.num_prompts)], None
     chat = datasets.prefix_chat(src, args.num_prompts, args.num_turns, args.system_len,
                                 args.input_len, args.output_len)
     return [], chat
@@ -89,8 +91,8 @@ def run_jaxllm(llm, rounds, chat) -> dict:
 
     def generate_round(samples):
         nonlocal n_in, n_out, cached
-        params = [SamplingParams(temperature=0.0, max_tokens=s.output_len, ignore_eos=True)
-                  for s in samples]
+        params = [SamplingParams(temperature=0.0, max_tokens=s.output_len,
+                                 ignore_eos=not s.stop_at_eos) for s in samples]
         outs = llm.generate([{"prompt_token_ids": s.prompt_token_ids} for s in samples], params,
                             use_tqdm=False)
         for o in outs:
@@ -105,6 +107,7 @@ def run_jaxllm(llm, rounds, chat) -> dict:
 
     engine = llm.llm_engine
     steps0 = engine.runner.num_steps
+    spec0 = engine.stats()
     start = time.perf_counter()
     if chat is not None:
         _chat_rounds(chat, generate_round)
@@ -112,7 +115,9 @@ def run_jaxllm(llm, rounds, chat) -> dict:
         for samples in rounds:
             generate_round(samples)
     secs = time.perf_counter() - start
+    spec = spec_report(spec0, engine.stats()) if engine.speculator is not None else None
     return {
+        "speculative_decoding": spec,
         "memory": engine.memory_report(),
         "seconds": secs, "requests": len(ttft), "requests_per_s": len(ttft) / secs,
         "output_tokens": n_out, "output_tokens_per_s": n_out / secs,
@@ -121,6 +126,19 @@ def run_jaxllm(llm, rounds, chat) -> dict:
         "steps": engine.runner.num_steps - steps0, "preemptions": engine.num_preemptions,
         "_tokens": tokens,  # for comparing with a peer; not written
     }
+
+
+def spec_report(before: dict, after: dict) -> dict:
+    """Speculation over a run: verifications, proposed and accepted tokens, and vLLM's mean
+    acceptance length (tokens a verification emits: 1 + accepted per verification)."""
+    keys = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
+    d, t, a = (after[k] - before[k] for k in keys)
+    per_pos = [y - x for x, y in zip(before["spec_decode_num_accepted_tokens_per_pos"],
+                                     after["spec_decode_num_accepted_tokens_per_pos"])]
+    return {"num_drafts": d, "num_draft_tokens": t, "num_accepted_tokens": a,
+            "mean_acceptance_length": 1 + a / d if d else None,
+            "draft_acceptance_rate": a / t if t else None,
+            "acceptance_rate_per_pos": [x / d for x in per_pos] if d else None}
 
 
 def run_hf(model_path: str, rounds, chat, batch_size: int | None) -> dict:
@@ -224,6 +242,11 @@ def run(args) -> int:
     our_tokens = result["jaxllm"].pop("_tokens")
     engine_max_len = engine.config.max_model_len
     print(_line("jaxllm", result["jaxllm"]))
+    if result["jaxllm"]["speculative_decoding"]:
+        sd = result["jaxllm"]["speculative_decoding"]
+        if sd["mean_acceptance_length"] is not None:
+            print(f"speculative decoding: mean acceptance length {sd['mean_acceptance_length']:.2f}, "
+                  f"draft acceptance rate {100 * sd['draft_acceptance_rate']:.1f}%")
     print(memory_line(result["jaxllm"]["memory"]))
     del llm, engine
     gc.collect()
@@ -244,7 +267,8 @@ def run(args) -> int:
         print(_line("jaxllm, prefix caching off", r))
         print(f"prefix caching: {result['ratio_vs_no_prefix_caching']:.2f}x throughput, "
               f"TTFT {result['ttft_ratio_no_prefix_caching_over_jaxllm']:.2f}x lower")
-    if args.hf_baseline and config.load_format != "dummy":
+    if args.hf_baseline and config.load_format != "dummy" and args.dataset_name != "copy":
+        # (copy requests end at their EOS; the HF baseline runs fixed lengths)
         from jaxllm.loader import resolve_model_path
         hf = result["hf_transformers"] = run_hf(resolve_model_path(config.model), rounds, chat,
                                                 args.hf_batch_size)
@@ -263,7 +287,7 @@ def run(args) -> int:
 
 def check_vllm_args(args, config) -> None:
     """Refuse a vLLM comparison that cannot run before anything is measured."""
-    if args.dataset_name == "prefix-chat":
+    if args.dataset_name in ("prefix-chat", "copy"):
         raise ValueError("--baseline vllm runs the random and sharegpt workloads")
     if not args.vllm_python:
         raise ValueError("--baseline vllm needs --vllm-python PATH (a python that imports vllm)")

@@ -56,6 +56,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="largest adapter rank; a larger one is refused (default 16)")
     g.add_argument("--max-cpu-loras", type=int, default=None,
                    help="adapters kept loaded in host memory (default max-loras)")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     g.add_argument("--compilation-cache-dir", default=None,
                    help="persistent XLA compilation cache (default ~/.cache/jaxllm/xla)")
 
@@ -224,6 +226,7 @@ def main(argv=None) -> int:
     for name, module, help_, engine in (
             ("throughput", "throughput", "offline throughput against HF transformers", True),
             ("latency", "latency", "TTFT and decode step time at batch 1 and N", True),
+            ("spec", "spec_decode", "speculative decoding's speed-up against batch size", True),
             ("structured", "structured", "JSON-schema requests against free ones; grammar TTFT",
              True),
             ("lora", "lora", "multi-LoRA serving against the base model alone", True),

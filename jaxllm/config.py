@@ -4,6 +4,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from jaxllm.spec_decode.config import SpeculativeConfig
+
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 LOAD_FORMATS = ("auto", "dummy")
 
@@ -52,6 +54,9 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # speculative decoding: vLLM's dict (or its JSON), e.g. {"method": "ngram",
+    # "num_speculative_tokens": 4}; jaxllm.spec_decode.config.SpeculativeConfig
+    speculative_config: SpeculativeConfig | dict | str | None = None
     # compilation
     compilation_cache_dir: str | None = field(
         default_factory=lambda: os.environ.get(
@@ -103,6 +108,12 @@ class EngineConfig:
                              f"({self.max_loras})")
         if self.enable_lora and self.num_processes > 1:
             raise ValueError("enable_lora is not supported across processes yet")
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if self.speculative_config is not None and self.num_processes > 1:
+            raise ValueError("speculative_config is not supported across processes yet")
+        if self.enable_lora and self.speculative_config is not None:
+            raise ValueError("speculative_config is not supported with enable_lora yet (proposals "
+                             "and their verification would need the request's adapter)")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
             raise ValueError("num_gpu_blocks_override must be at least 2 (one is the null block)")
 

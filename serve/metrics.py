@@ -54,6 +54,7 @@ class Metrics:
         self._lora_labels = None
         self._lora_names: set[str] = set()  # adapters that had requests (their gauges go to 0)
         self._last = {}
+        self._spec = None  # speculative decoding counters, made once the engine is known
         self._stats: dict | None = None  # the engine's counters after its last step
         self._lock = threading.Lock()
         # for the periodic log line
@@ -88,6 +89,34 @@ class Metrics:
                     self._window_prompt += delta
                 elif key == "generation_tokens":
                     self._window_gen += delta
+            if engine.config.speculative_config is not None:
+                self._observe_spec(s, engine.config.speculative_config.num_speculative_tokens)
+
+    def _observe_spec(self, s: dict, k: int) -> None:
+        """vLLM's spec_decode counters: verifications (drafts), proposed and accepted tokens,
+        accepted tokens by proposal position."""
+        if self._spec is None:
+            r, name = self.registry, self.model_name
+            counters = {key: Counter(f"jaxllm:{key}", doc, ["model_name"], registry=r).labels(name)
+                        for key, doc in (
+                            ("spec_decode_num_drafts", "Number of spec decoding drafts."),
+                            ("spec_decode_num_draft_tokens", "Number of draft tokens."),
+                            ("spec_decode_num_accepted_tokens", "Number of accepted tokens."))}
+            per_pos = Counter("jaxllm:spec_decode_num_accepted_tokens_per_pos",
+                              "Accepted tokens per draft position.", ["model_name", "position"],
+                              registry=r)
+            self._spec = counters, [per_pos.labels(name, str(i)) for i in range(k)]
+        counters, per_pos = self._spec
+        for key, metric in counters.items():
+            delta = s[key] - self._last.get(key, 0)
+            if delta > 0:
+                metric.inc(delta)
+            self._last[key] = s[key]
+        last = self._last.get("per_pos", [0] * k)
+        for i, (metric, v) in enumerate(zip(per_pos, s["spec_decode_num_accepted_tokens_per_pos"])):
+            if v > last[i]:
+                metric.inc(v - last[i])
+        self._last["per_pos"] = list(s["spec_decode_num_accepted_tokens_per_pos"])
 
     def _lora_metrics(self, s: dict) -> None:
         """vLLM's lora_requests_info (which adapters have running and waiting requests, as
@@ -143,5 +172,9 @@ class Metrics:
         line = (f"Avg prompt throughput: {prompt_tps:.1f} tokens/s, Avg generation throughput: "
                 f"{gen_tps:.1f} tokens/s, Running: {s['num_requests_running']} reqs, Waiting: "
                 f"{s['num_requests_waiting']} reqs, KV cache usage: {100 * s['kv_cache_usage_perc']:.1f}%")
+        if self._spec is not None and s["spec_decode_num_drafts"]:
+            drafts, accepted = s["spec_decode_num_drafts"], s["spec_decode_num_accepted_tokens"]
+            line += (f"; SpecDecoding: mean acceptance length {1 + accepted / drafts:.2f}, "
+                     f"draft acceptance rate {100 * accepted / max(s['spec_decode_num_draft_tokens'], 1):.1f}%")
         logger.info(line)
         return line

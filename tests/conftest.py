@@ -82,10 +82,41 @@ def make_tiny_checkpoint(path, variant: str, tokenizer_dir: str | None = None,
     return model
 
 
+def noisy_copy(src, dst, scale: float, seed: int = 0) -> str:
+    """The checkpoint at src with Gaussian noise (scale x each tensor's std) on its decoder
+    layers: a draft model that agrees with src only part of the time."""
+    import shutil
+
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from jaxllm.loader.safetensors_io import read_safetensors
+    rng = np.random.default_rng(seed)
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    path = os.path.join(dst, "model.safetensors")
+    weights = {k: np.array(v) for k, v in read_safetensors(os.path.join(src, "model.safetensors")).items()}
+    for k, v in weights.items():
+        if ".layers." in k:
+            v += (scale * v.std() * rng.standard_normal(v.shape)).astype(v.dtype)
+    save_file(weights, path)
+    return str(dst)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory, tokenizer_dir):
     d = tmp_path_factory.mktemp("tiny_llama")
     make_tiny_checkpoint(d, "llama3", tokenizer_dir)
+    return str(d)
+
+
+@pytest.fixture(scope="session")
+def peaked_model(tmp_path_factory, tokenizer_dir):
+    """A tiny model with peaked logits: loops that batch requests differently (async
+    scheduling, speculative decoding) compute a sequence's logits in different step shapes,
+    and with a random model's near-even logits that float noise could flip a greedy choice;
+    with larger weights the top tokens are far apart and comparisons are exact."""
+    d = tmp_path_factory.mktemp("peaked")
+    make_tiny_checkpoint(d, "llama3", tokenizer_dir, initializer_range=0.5)
     return str(d)
 
 

@@ -69,7 +69,8 @@ def test_profiled_blocks_count_one_devices_share(monkeypatch):
     monkeypatch.setenv(MEM_FRACTION_VARS[0], "0.9")
     config = types.SimpleNamespace(block_size=16, max_model_len=256, max_num_seqs=8,
                                    max_num_batched_tokens=64, attention_backend="xla",
-                                   gpu_memory_utilization=0.9, kv_cache_dtype="auto")
+                                   gpu_memory_utilization=0.9, kv_cache_dtype="auto",
+                                   speculative_config=None)
     per_block = 2 * 2**20
     blocks = {}
     for n in (1, 4):

@@ -104,15 +104,19 @@ class KVCacheManager:
 
     # allocation
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       computed_blocks: list[int] | None = None) -> list[int] | None:
+                       computed_blocks: list[int] | None = None,
+                       num_lookahead_tokens: int = 0) -> list[int] | None:
         """Blocks newly added so that `num_new_tokens` more tokens fit (cache hits first), or
         None when they do not fit. Full blocks whose tokens are known are registered in the
-        prefix cache at once: the step that computes them runs before anyone can read them."""
+        prefix cache at once: the step that computes them runs before anyone can read them
+        (speculated tokens are not known, so their blocks wait until they are accepted).
+        `num_lookahead_tokens` more slots are held for a draft model's proposals."""
         computed_blocks = computed_blocks or []
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         total = (request.num_computed_tokens + len(computed_blocks) * self.block_size
                  + num_new_tokens)
-        need = cdiv(total, self.block_size) - len(blocks) - len(computed_blocks)
+        need = (cdiv(total + num_lookahead_tokens, self.block_size) - len(blocks)
+                - len(computed_blocks))
         if max(need, 0) > self.pool.num_free_if_touched(computed_blocks):
             if not blocks:
                 del self.req_to_blocks[request.request_id]
@@ -174,12 +178,14 @@ class KVCacheManager:
         self.pool.free(blocks)
         return list(zip(blocks, host))
 
-    def swap_in(self, request: Request, num_new_tokens: int) -> tuple[list[int], list[tuple[int, int]]] | None:
-        """Device blocks for a swapped request and `num_new_tokens` more: (blocks,
-        (host, device) pairs to copy back), or None when they do not fit."""
+    def swap_in(self, request: Request, num_new_tokens: int,
+                num_lookahead_tokens: int = 0) -> tuple[list[int], list[tuple[int, int]]] | None:
+        """Device blocks for a swapped request and `num_new_tokens` more (and lookahead
+        slots): (blocks, (host, device) pairs to copy back), or None when they do not fit."""
         rid = request.request_id
         host = self.req_to_host_blocks[rid]
-        need = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size)
+        need = cdiv(request.num_computed_tokens + num_new_tokens + num_lookahead_tokens,
+                    self.block_size)
         blocks = self.pool.allocate(max(need, len(host)))
         if blocks is None:
             return None

@@ -63,6 +63,9 @@ class Request:
         self.num_computed_tokens = 0
         # tokens sampled by steps still in flight (async scheduling): not known to the host
         self.num_output_placeholders = 0
+        # speculative decoding: proposed tokens for the next step (-1: held on the device),
+        # verified there and never part of the request's tokens until accepted
+        self.spec_token_ids: list[int] = []
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
 

@@ -8,6 +8,11 @@ The counts are advanced here, when a step is scheduled. A step whose tokens reac
 request samples its next token; until the host learns it (async scheduling: one step later)
 the token is a placeholder, and the next step may already compute it (the runner takes its id
 from the device). update_from_output() appends the tokens the step produced, 0..k of them.
+
+Speculative decoding: a running request's proposed tokens (`spec_token_ids`) are scheduled
+after its known tokens, from the same budget; the step verifies them and emits the accepted
+ones plus one more. The counts advance over all of them when scheduled, and the rejected ones
+are taken back when the step's output arrives (their KV slots are simply written again).
 """
 from __future__ import annotations
 
@@ -63,6 +68,9 @@ class SchedulerOutput:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)      # (src, dst)
     # requests whose scheduled tokens reach their end: they sample their next token
     sampling_req_ids: set[str] = field(default_factory=set)
+    # speculative decoding: the proposed tokens scheduled after each request's known tokens
+    # (the last ones of its scheduled tokens; -1: held on the device)
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     # the requests scheduled, as objects: an id finished and reused while the step ran must
     # not receive the step's tokens (host side only; the runner never reads it)
     scheduled_reqs: dict[str, Request] = field(default_factory=dict, repr=False)
@@ -85,7 +93,8 @@ class RequestUpdate:
 class Scheduler:
     def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, policy: str = "fcfs",
-                 preemption_mode: str = "recompute", max_loras: int = 0):
+                 preemption_mode: str = "recompute", max_loras: int = 0,
+                 num_lookahead_tokens: int = 0, num_spec_tokens: int = 0):
         capacity = kv_cache_manager.pool.num_usable_blocks * kv_cache_manager.block_size
         if capacity < max_model_len:
             # otherwise a lone request could outgrow the pool and wait for blocks forever
@@ -115,6 +124,13 @@ class Scheduler:
         self.num_swaps = 0
         self.num_prompt_tokens = 0  # prompt tokens scheduled (prefix-cache hits excluded)
         self.num_generation_tokens = 0  # output tokens appended
+        # speculative decoding: slots held past each running request's tokens for a draft
+        # model's proposals, and vLLM's acceptance counters
+        self.num_lookahead_tokens = num_lookahead_tokens
+        self.spec_num_drafts = 0
+        self.spec_num_draft_tokens = 0
+        self.spec_num_accepted_tokens = 0
+        self.spec_accepted_per_pos = [0] * num_spec_tokens
 
     def _order(self, req: Request):
         return (req.priority, req.arrival_time) if self.policy == "priority" else (req.arrival_time,)
@@ -201,10 +217,16 @@ class Scheduler:
     # one step
     def _length_reached(self, req: Request) -> bool:
         """Its steps in flight already produce every token its length limits allow."""
+        return self._tokens_left(req) <= 0
+
+    def _tokens_left(self, req: Request) -> int:
+        """Tokens its length limits still allow beyond those known or in flight."""
         n = req.num_tokens_with_placeholders
+        left = self.max_model_len - n
         limit = req.sampling_params.max_tokens
-        return n >= self.max_model_len or (
-            limit is not None and n - req.num_prompt_tokens >= limit)
+        if limit is not None:
+            left = min(left, limit - (n - req.num_prompt_tokens))
+        return left
 
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
@@ -220,12 +242,20 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens_with_placeholders - req.num_computed_tokens, budget)
-            if num_new <= 0 or (req.num_output_placeholders and self._length_reached(req)):
+            num_known = req.num_tokens_with_placeholders - req.num_computed_tokens
+            if num_known <= 0 or (req.num_output_placeholders and self._length_reached(req)):
                 i += 1  # nothing to compute until its tokens in flight are known
                 continue
+            num_new = min(num_known, budget)
+            if req.spec_token_ids and num_new == num_known:
+                # a step emits at most 1 + k tokens: no more than the length limits allow;
+                # and the requests after this one keep a token of the budget each
+                room = min(self._tokens_left(req) - 1,
+                           budget - num_known - (len(self.running) - i - 1))
+                num_new += max(0, min(len(req.spec_token_ids), room))
+            lookahead = self._lookahead(req.num_computed_tokens + num_new)
             while True:
-                blocks = self.kv.allocate_slots(req, num_new)
+                blocks = self.kv.allocate_slots(req, num_new, num_lookahead_tokens=lookahead)
                 if blocks is not None:
                     break
                 if self._release_waiting_blocks():
@@ -263,7 +293,7 @@ class Scheduler:
                 num_new = min(req.num_tokens - req.num_computed_tokens, budget)
                 if num_new < 1:  # its next token must exist on the host: it would sample nothing
                     raise RuntimeError(f"{req!r} was swapped out without its last token")
-                got = self.kv.swap_in(req, num_new)
+                got = self.kv.swap_in(req, num_new, self._lookahead(req.num_computed_tokens + num_new))
                 if got is None:
                     break
                 blocks, pairs = got
@@ -274,7 +304,8 @@ class Scheduler:
                 if looked_up:
                     computed, num_hit = self.kv.get_computed_blocks(req)
                 num_new = min(req.num_tokens - req.num_computed_tokens - num_hit, budget)
-                blocks = self.kv.allocate_slots(req, num_new, computed)
+                lookahead = self._lookahead(req.num_computed_tokens + num_hit + num_new)
+                blocks = self.kv.allocate_slots(req, num_new, computed, lookahead)
                 if blocks is None and self._release_waiting_blocks(req):
                     continue  # look again: the release may have dropped this one's hits too
                 if blocks is None:
@@ -297,13 +328,18 @@ class Scheduler:
         finished = self._finished_ids | {r.request_id for r in preempted}
         # before the lists: a finished id may come back at once as a new request
         self._known_to_runner -= finished
-        new_reqs, cached_reqs, sampling = [], [], set()
+        new_reqs, cached_reqs, sampling, spec = [], [], set(), {}
         for req in self.running:
             rid = req.request_id
             n = num_scheduled.get(rid)
             if n is None:
+                req.spec_token_ids = []
                 continue
             start = req.num_computed_tokens
+            num_spec = start + n - req.num_tokens_with_placeholders
+            if num_spec > 0:
+                spec[rid] = req.spec_token_ids[:num_spec]
+            req.spec_token_ids = []  # proposed again for the next step
             if rid in self._known_to_runner:
                 cached_reqs.append(CachedRequestData(rid, new_blocks[rid], start))
             else:
@@ -316,7 +352,7 @@ class Scheduler:
             # the counts advance here, once: the runner mirrors what this output says
             self.num_prompt_tokens += max(0, min(start + n, req.num_prompt_tokens) - start)
             req.num_computed_tokens = start + n
-            if req.num_computed_tokens == req.num_tokens_with_placeholders:
+            if req.num_computed_tokens >= req.num_tokens_with_placeholders:
                 req.num_output_placeholders += 1
                 sampling.add(rid)
         self._finished_ids = set()
@@ -324,7 +360,12 @@ class Scheduler:
         self._pending_copies = {}
         return SchedulerOutput(new_reqs, cached_reqs, num_scheduled,
                                sum(num_scheduled.values()), finished, swap_out, swap_in, copies,
-                               sampling, {rid: self.requests[rid] for rid in num_scheduled})
+                               sampling, spec,
+                               {rid: self.requests[rid] for rid in num_scheduled})
+
+    def _lookahead(self, end: int) -> int:
+        """Slots a draft model's proposal passes write past a request's scheduled tokens."""
+        return max(0, min(self.num_lookahead_tokens, self.max_model_len - end))
 
     def _running_loras(self) -> set[int]:
         loras = {r.lora_id for r in self.running if r.lora_id}
@@ -347,6 +388,7 @@ class Scheduler:
         return released
 
     def _preempt(self, req: Request) -> list[tuple[int, int]]:
+        req.spec_token_ids = []
         req.num_preemptions += 1
         self.num_preemptions += 1
         pairs = self.kv.swap_out(req) if self.preemption_mode == "swap" else None
@@ -376,6 +418,9 @@ class Scheduler:
             if req is None or req is not out.scheduled_reqs[rid] or req.status.finished:
                 continue
             req.num_output_placeholders -= 1
+            drafts = out.scheduled_spec_decode_tokens.get(rid)
+            if drafts:
+                self._account_verification(req, len(drafts), len(sampled.get(rid, ())))
             if req.forks:
                 if req.status == RequestStatus.RUNNING:
                     self._fork(req)
@@ -392,6 +437,18 @@ class Scheduler:
                     break
             updates.append(RequestUpdate(req, new))
         return updates
+
+    def _account_verification(self, req: Request, num_drafts: int, num_emitted: int) -> None:
+        """A step verified `num_drafts` proposed tokens and emitted the accepted ones plus one:
+        the rejected ones' slots are computed again (the counts go back to before them)."""
+        accepted = max(num_emitted - 1, 0)
+        if req.status == RequestStatus.RUNNING:
+            req.num_computed_tokens -= num_drafts - accepted
+        self.spec_num_drafts += 1
+        self.spec_num_draft_tokens += num_drafts
+        self.spec_num_accepted_tokens += accepted
+        for j in range(accepted):
+            self.spec_accepted_per_pos[j] += 1
 
     def _fork(self, leader: Request) -> None:
         """The leader has computed its prompt: its siblings start from its blocks."""

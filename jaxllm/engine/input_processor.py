@@ -24,11 +24,14 @@ class EngineRequest:
 
 
 class InputProcessor:
-    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, structured=None):
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, structured=None,
+                 speculative: bool = False):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.structured = structured  # StructuredOutputManager: validates constraints
+        # speculative decoding verifies proposals without a grammar's token masks
+        self.speculative = speculative
 
     def tokenize(self, prompt) -> tuple[str | None, list[int], str | None]:
         """(text, token ids, cache_salt) of a string, a list of token ids, or a dict with
@@ -75,6 +78,10 @@ class InputProcessor:
         if params.structured_outputs is not None:
             if self.structured is None:
                 raise ValueError("structured_outputs is not available here")
+            if self.speculative:
+                raise ValueError(f"{params.structured_outputs.field_name} is not supported with "
+                                 "speculative_config: this engine speculates, and verified "
+                                 "proposals are not masked by a grammar")
             grammar = self.structured.prepare(params.structured_outputs)
         return EngineRequest(text, ids, params, salt, bad, grammar, lora_request)
 

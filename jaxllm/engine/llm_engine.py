@@ -112,8 +112,18 @@ class LLMEngine:
             raise ValueError(f"max_model_len ({config.max_model_len}) is larger than the model's "
                              f"maximum context ({model_max})")
         config.resolve(platform, model_max)
+        spec = config.speculative_config
+        draft = None
+        if spec is not None and spec.method == "draft_model":
+            from jaxllm.spec_decode.draft_model import check_draft
+            draft = load_model(spec.model, self.policy, "auto", config.seed,
+                               attention_backend=config.attention_backend, mesh=self.mesh)
+            check_draft(draft, loaded, config.max_model_len)
         bs = config.block_size
-        per_block = kv_bytes_per_block(self.arch, bs, self.dtype, config.kv_cache_dtype)
+        # a draft model's cache has the same blocks as the target's: a block costs both
+        per_block = kv_bytes_per_block(self.arch, bs, self.dtype, config.kv_cache_dtype) + (
+            kv_bytes_per_block(draft.arch, bs, self.dtype, config.kv_cache_dtype)
+            if draft is not None else 0)
         self.is_follower = jax.process_index() != 0
         # LoRA: the adapters known (a host registry and cache) and the device slots
         self.lora, lora_slots = (self._setup_lora(loaded) if config.enable_lora else (None, None))
@@ -132,14 +142,28 @@ class LLMEngine:
             logger.info("swap space: %d host blocks (%.2f GiB)", num_host_blocks, config.swap_space)
         self.kv_manager = KVCacheManager(num_blocks, bs, config.enable_prefix_caching,
                                          num_host_blocks)
+        k = spec.k if spec is not None else 0
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.max_model_len,
                                    config.scheduling_policy, config.preemption_mode,
-                                   config.max_loras if config.enable_lora else 0)
+                                   config.max_loras if config.enable_lora else 0,
+                                   num_lookahead_tokens=k if draft is not None else 0,
+                                   num_spec_tokens=k)
         self.runner = ModelRunner(loaded, self.dtype, num_blocks, bs, config.max_model_len,
                                   config.max_num_seqs, config.max_num_batched_tokens,
                                   num_host_blocks, config.attention_backend, config.kv_cache_dtype,
-                                  lora_slots)
+                                  lora_slots, num_spec_tokens=k,
+                                  spec_probabilistic=spec is not None
+                                  and spec.draft_sample_method == "probabilistic")
+        self.speculator = None
+        if spec is not None:
+            from jaxllm.spec_decode.proposer import Speculator
+            if draft is not None:
+                from jaxllm.spec_decode.draft_model import DraftModel
+                self.runner.drafter = DraftModel(draft, self.runner, num_host_blocks, k,
+                                                 spec.draft_sample_method == "probabilistic")
+            self.speculator = Speculator(spec, self.runner.batch, self.runner.drafter)
+            logger.info("speculative decoding: %s", spec.describe())
         self.compile_seconds = 0.0
         if config.warmup:
             self.compile_seconds = self.runner.compile_all()
@@ -153,7 +177,7 @@ class LLMEngine:
         # sequences); they join the scheduler when it is ready
         self._awaiting_grammar: dict[str, tuple[concurrent.futures.Future, list[Request]]] = {}
         self.inputs = InputProcessor(self.tokenizer, self.arch.vocab_size, config.max_model_len,
-                                     self.structured)
+                                     self.structured, speculative=spec is not None)
         self.outputs = OutputProcessor(self.tokenizer)
         # async scheduling: the step dispatched last, whose tokens the host has not read yet
         self._in_flight: tuple[SchedulerOutput, InFlight | None] | None = None
@@ -226,10 +250,14 @@ class LLMEngine:
             raise ValueError("device memory size is unknown; set kv_cache_memory_bytes or "
                              "num_gpu_blocks_override")
         # a runner with a 2-block cache, only to measure the largest step's scratch memory
+        spec = cfg.speculative_config
         probe = ModelRunner(loaded, self.dtype, 2, cfg.block_size, cfg.max_model_len,
                             cfg.max_num_seqs, cfg.max_num_batched_tokens,
                             attention_backend=cfg.attention_backend,
-                            kv_cache_dtype=cfg.kv_cache_dtype, lora=lora_slots)
+                            kv_cache_dtype=cfg.kv_cache_dtype, lora=lora_slots,
+                            num_spec_tokens=spec.k if spec is not None else 0,
+                            spec_probabilistic=spec is not None
+                            and spec.draft_sample_method == "probabilistic")
         scratch = probe.activation_bytes()
         del probe
         in_use = dev.memory_stats().get("bytes_in_use", 0)
@@ -432,11 +460,18 @@ class LLMEngine:
         schedules the step after); without it, each step is read before the next one."""
         outputs = []
         overlap = self.config.async_scheduling and not self._needs_sync
-        if self._in_flight is not None and not overlap:
+        # a step that verified proposals decides where each request's next tokens go (its
+        # accepted count): it is read before the next step is scheduled
+        verified = self._in_flight is not None and bool(self._in_flight[0].scheduled_spec_decode_tokens)
+        if self._in_flight is not None and (not overlap or verified):
             outputs += self._finish_step(*self._in_flight)
             self._in_flight = None
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         outputs += self._admit_compiled()
         out = self.scheduler.schedule()
+        if self.runner.drafter is not None:
+            self.runner.drafter.enabled = self.speculator.enabled_for(self.scheduler.num_running)
         scheduled_at = time.time()
         for rid in out.num_scheduled_tokens:
             parent = self.outputs.parent_of(rid)
@@ -554,6 +589,11 @@ class LLMEngine:
             "peak_running": self.peak_running,
             "kv_total_slots": self.kv_manager.pool.num_usable_blocks * self.config.block_size,
             **self._lora_stats(),
+            # speculative decoding (vLLM's counters): verifications, proposed and accepted tokens
+            "spec_decode_num_drafts": sched.spec_num_drafts,
+            "spec_decode_num_draft_tokens": sched.spec_num_draft_tokens,
+            "spec_decode_num_accepted_tokens": sched.spec_num_accepted_tokens,
+            "spec_decode_num_accepted_tokens_per_pos": list(sched.spec_accepted_per_pos),
         }
 
     def _lora_stats(self) -> dict:

@@ -35,6 +35,8 @@ from jaxllm.quantization import kv as kvq
 from jaxllm.runner.block_ops import BlockOps
 from jaxllm.runner.buckets import StepShapes, make_buckets
 from jaxllm.runner.input_batch import COLUMNS, InputBatch
+from jaxllm.runner.rejection_sampler import (VerifyMetadata, VerifyOutput, init_spec_state, no_verify,
+                                             num_verify_rows, verify)
 from jaxllm.sampling_params import GREEDY_EPS
 from jaxllm.runner.sampler import (MAX_BANNED, MAX_LOGPROBS, SamplerOutput, SamplingMetadata,
                                    init_state, prompt_logprobs, sample, set_rows)
@@ -131,17 +133,29 @@ def _host(x) -> np.ndarray:
     return np.asarray(x if x.is_fully_addressable else x.addressable_data(0))
 
 
-def build_forward(graphdef, vocab: int, state_sharding, kv_sharding, replicated, lora=None):
+def build_forward(graphdef, vocab: int, state_sharding, kv_sharding, replicated, lora=None,
+                  num_spec: int = 0):
     """The step's forward pass: the model over the flat batch, the logits of the rows that
     sample, and prompt logprobs when asked for. The cache is donated. A token the previous
     step sampled and the host does not know yet (async scheduling: -1) is taken from the
-    sampler state on the device. With LoRA (`lora`: the slots' shardings, their number, the
-    tensor-parallel size), one more argument after the step's inputs: the adapter slots'
-    weights and each token's slot."""
+    sampler state on the device. After the step's inputs come:
+    - with LoRA (`lora`: the slots' shardings, their number, the tensor-parallel size): the
+      adapter slots' weights and each token's slot;
+    - with speculative decoding (num_spec = k > 0): the verified positions (VerifyMetadata)
+      and the proposals a draft model left on the device (SpecState: -2 - j in the input ids
+      is proposal j); it then also returns what verification needs: the raw logits at the
+      verified positions, the proposals they score, and the step's input ids as resolved.
+    The two are not combined (EngineConfig refuses it)."""
 
-    def forward(state, kv_cache, sampler_state, input_ids, md, logits_indices, smd, *adapters):
+    def forward(state, kv_cache, sampler_state, input_ids, md, logits_indices, smd, *extra):
+        vmd, spec_state = extra if num_spec else (None, None)
+        adapters = () if num_spec else extra
         model = nnx.merge(graphdef, state)
-        from_device = sampler_state.last_token[smd.rows[md.token_seq_ids]]
+        rows = smd.rows[md.token_seq_ids]
+        from_device = sampler_state.last_token[rows]
+        if num_spec:
+            slot = jnp.clip(-input_ids - 2, 0, num_spec - 1)
+            from_device = jnp.where(input_ids <= -2, spec_state.draft_tokens[rows, slot], from_device)
         input_ids = jnp.where(input_ids < 0, from_device, input_ids)
         lora_in = None
         if adapters:
@@ -157,22 +171,50 @@ def build_forward(graphdef, vocab: int, state_sharding, kv_sharding, replicated,
             lambda h: prompt_logprobs(model.compute_logits, h, smd.next_ids,
                                       md.query_start_loc[-1], vocab),
             lambda h: zeros, hidden)
-        return logits.astype(jnp.float32), plp, kv_cache
+        if not num_spec:
+            return logits.astype(jnp.float32), plp, kv_cache
+        R = vmd.token_idx.shape[0]
+        raw_v = jax.lax.cond(
+            vmd.any_spec,
+            lambda h: model.compute_logits(h[vmd.token_idx]).astype(jnp.float32),
+            lambda h: jnp.zeros((R, vocab), jnp.float32), hidden)
+        drafts = input_ids[vmd.token_idx + 1]  # each proposal follows the token that scores it
+        return logits.astype(jnp.float32), plp, kv_cache, (raw_v, drafts, input_ids)
 
     rep = replicated
-    extra = () if lora is None else ((lora[0], rep),)
+    extra = (rep, rep) if num_spec else () if lora is None else ((lora[0], rep),)
+    outs = (rep, rep, kv_sharding) + ((rep,) if num_spec else ())
     return jax.jit(forward, donate_argnums=(1,),
                    in_shardings=(state_sharding, kv_sharding, rep, rep, rep, rep, rep, *extra),
-                   out_shardings=(rep, rep, kv_sharding))
+                   out_shardings=outs)
 
 
-def build_sample(replicated):
+def build_sample(replicated, num_spec: int = 0, spec_probabilistic: bool = False):
     """The step's sampling over the forward pass's logits, under a token bitmask when
     `use_mask` (structured outputs). The sampler state is donated; the sampled tokens also
-    stay in it for the next step."""
+    stay in it for the next step.
 
-    def sample_step(logits, sampler_state, smd, bitmask, use_mask):
-        return sample(logits, smd, sampler_state, bitmask, use_mask)
+    With speculative decoding it also takes the forward pass's raw logits at the verified
+    positions and their proposals (raw_v [R, V], drafts [R]), the VerifyMetadata and the
+    SpecState, verifies the proposals by rejection sampling and emits up to k + 1 tokens per
+    sequence: (tokens [S, k+1], num_tokens [S], logprob stats [S, k+1, ...])."""
+
+    def sample_step(logits, sampler_state, smd, bitmask, use_mask, raw_v=None, drafts=None,
+                    vmd=None, spec_state=None):
+        base, sampler_state = sample(logits, smd, sampler_state, bitmask, use_mask)
+        if not num_spec:
+            return base, sampler_state
+
+        def with_drafts(sampler_state):
+            return verify(raw_v, drafts, base, smd, vmd, sampler_state, spec_state, num_spec,
+                          spec_probabilistic)
+
+        def without(sampler_state):
+            return (*no_verify(base, smd, num_spec), sampler_state)
+
+        tokens, num, stats, sampler_state = jax.lax.cond(vmd.any_spec, with_drafts, without,
+                                                         sampler_state)
+        return (tokens, num, *stats), sampler_state
 
     rep = replicated
     return jax.jit(sample_step, donate_argnums=(1,), in_shardings=rep, out_shardings=(rep, rep))
@@ -200,9 +242,11 @@ def step_compiler_options(platform: str) -> dict | None:
     return {"xla_gpu_memory_limit_slop_factor": 10000} if platform == "gpu" else None
 
 
-def abstract_step_inputs(T: int, S: int, block_size: int, max_blocks_per_seq: int, qt: int):
+def abstract_step_inputs(T: int, S: int, block_size: int, max_blocks_per_seq: int, qt: int,
+                         num_spec: int = 0):
     """Shapes of a (T tokens, S sequences) step's inputs after the state, cache and sampler
-    state: input ids, attention metadata, logits indices, sampling metadata."""
+    state: input ids, attention metadata, logits indices, sampling metadata (and with
+    speculative decoding the verified positions)."""
     i32, f32, b = jnp.int32, jnp.float32, jnp.bool_
     sds = jax.ShapeDtypeStruct
     W = max_tiles(T, S, qt)
@@ -215,7 +259,16 @@ def abstract_step_inputs(T: int, S: int, block_size: int, max_blocks_per_seq: in
         sds((S,), i32), sds((S,), i32), sds((S,), b), sds((S,), f32), sds((S,), f32),
         sds((S,), f32), sds((S,), i32), sds((S,), b), sds((S, MAX_BANNED), i32), sds((T,), i32),
         *[sds((), b)] * 8)
-    return sds((T,), i32), md, sds((S,), i32), smd
+    if not num_spec:
+        return sds((T,), i32), md, sds((S,), i32), smd
+    vmd = abstract_verify_metadata(num_verify_rows(T, S, num_spec), S)
+    return sds((T,), i32), md, sds((S,), i32), smd, vmd
+
+
+def abstract_verify_metadata(R: int, S: int) -> VerifyMetadata:
+    i32, b, sds = jnp.int32, jnp.bool_, jax.ShapeDtypeStruct
+    return VerifyMetadata(sds((R,), i32), sds((R,), i32), sds((R,), i32), sds((R,), b),
+                          sds((S,), i32), sds((S,), b), sds((), b), sds((), b))
 
 
 def abstract_sample_inputs(S: int, vocab: int, smd):
@@ -233,7 +286,8 @@ def bitmask_words(vocab: int) -> int:
 class ModelRunner:
     def __init__(self, loaded, dtype, num_blocks: int, block_size: int, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, num_host_blocks: int = 0,
-                 attention_backend: str = "xla", kv_cache_dtype: str = "auto", lora=None):
+                 attention_backend: str = "xla", kv_cache_dtype: str = "auto", lora=None,
+                 num_spec_tokens: int = 0, spec_probabilistic: bool = False):
         self.arch = loaded.arch
         self.lora = lora  # jaxllm.lora.slots.LoRASlots, or None
         self.lora_failures: dict[int, str] = {}  # adapters the last dispatch could not bring in
@@ -274,11 +328,22 @@ class ModelRunner:
         self.device_wait_seconds = 0.0  # host time spent waiting for steps' results
         self.num_compiles_after_warmup = 0
         self.channel = mp.Channel() if jax.process_count() > 1 else None
+        # speculative decoding: k proposals per step at most; a draft model (spec_decode)
+        # attaches itself as `drafter` and leaves its proposals in spec_state
+        self.num_spec = num_spec_tokens
+        self.spec_probabilistic = spec_probabilistic
+        self.drafter = None
+        self.spec_state = None
+        if num_spec_tokens:
+            self.spec_state = jax.jit(
+                lambda: init_spec_state(max_num_seqs, num_spec_tokens, self.vocab, spec_probabilistic),
+                out_shardings=self.replicated)()
         self._forward = build_forward(self.graphdef, self.vocab,
                                       jax.tree.map(lambda x: x.sharding, self.state),
                                       self.kv_sharding, self.replicated,
-                                      lora and (lora.shardings, lora.num_slots, self.arch.tp_size))
-        self._sample = build_sample(self.replicated)
+                                      lora and (lora.shardings, lora.num_slots, self.arch.tp_size),
+                                      num_spec_tokens)
+        self._sample = build_sample(self.replicated, num_spec_tokens, spec_probabilistic)
         self._no_mask = jax.device_put(np.bool_(False), self.replicated)
         rep = self.replicated
         self._set_rows = jax.jit(set_rows, donate_argnums=(0,), in_shardings=rep, out_shardings=rep)
@@ -288,7 +353,12 @@ class ModelRunner:
 
     # compilation
     def _abstract_inputs(self, T: int, S: int):
-        return abstract_step_inputs(T, S, self.block_size, self.max_blocks_per_seq, self.q_tile(T))
+        return abstract_step_inputs(T, S, self.block_size, self.max_blocks_per_seq, self.q_tile(T),
+                                    self.num_spec)
+
+    def _extra_state(self) -> tuple:
+        """Device state the step reads after its inputs (a draft model's proposals)."""
+        return (self.spec_state,) if self.num_spec else ()
 
     def _abstract(self, tree):
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
@@ -298,18 +368,30 @@ class ModelRunner:
             (self._abstract(self.lora.weights), jax.ShapeDtypeStruct((T,), jnp.int32)),)
         return self._forward.lower(self._abstract(self.state), self._abstract(self.kv_cache),
                                    self._abstract(self.sampler_state),
-                                   *self._abstract_inputs(T, S), *adapters).compile(
+                                   *self._abstract_inputs(T, S),
+                                   *self._abstract(self._extra_state()), *adapters).compile(
             step_compiler_options(platform_of(self.mesh)))
 
-    def _compile_sample(self, S: int):
+    def sample_key(self, T: int, S: int):
+        """Which compiled sampling a (T, S) step uses: one per seqs bucket, and with
+        speculative decoding per (seqs, verified positions) pair."""
+        return S if not self.num_spec else (S, num_verify_rows(T, S, self.num_spec))
+
+    def _compile_sample(self, key):
+        S, R = (key, 0) if not self.num_spec else key
         logits, smd, bitmask, use_mask = abstract_sample_inputs(
-            S, self.vocab, self._abstract_inputs(S, S)[-1])
+            S, self.vocab, self._abstract_inputs(S, S)[3])
+        extra = ()
+        if self.num_spec:
+            sds = jax.ShapeDtypeStruct
+            extra = (sds((R, self.vocab), jnp.float32), sds((R,), jnp.int32),
+                     abstract_verify_metadata(R, S), self._abstract(self.spec_state))
         return self._sample.lower(logits, self._abstract(self.sampler_state), smd, bitmask,
-                                  use_mask).compile()
+                                  use_mask, *extra).compile()
 
     @property
-    def sample_buckets(self) -> list[int]:
-        return sorted({S for _, S in self.shapes.all})
+    def sample_buckets(self) -> list:
+        return sorted({self.sample_key(T, S) for T, S in self.shapes.all})
 
     def compile_all(self, progress: bool = True) -> float:
         start = time.perf_counter()
@@ -322,20 +404,21 @@ class ModelRunner:
             sds((K, self.max_model_len), jnp.int32), sds((K,), jnp.int32), sds((K,), jnp.int32),
             sds((K, self.vocab), jnp.float32), sds((K, self.vocab), jnp.bool_)).compile()
         todo = [s for s in self.shapes.all if s not in self._compiled]
-        todo_sample = [S for S in self.sample_buckets if S not in self._compiled_sample]
+        todo_sample = [k for k in self.sample_buckets if k not in self._compiled_sample]
         # XLA compiles outside the GIL, so threads overlap the per-shape compiles
         with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
-            futures = {shape: pool.submit(self._compile, *shape) for shape in todo}
-            futures.update({S: pool.submit(self._compile_sample, S) for S in todo_sample})
+            futures = [(self._compiled, shape, pool.submit(self._compile, *shape))
+                       for shape in todo]
+            futures += [(self._compiled_sample, key, pool.submit(self._compile_sample, key))
+                        for key in todo_sample]
             bar = tqdm(total=len(futures), desc="compiling step buckets", disable=not progress,
                        unit="shape")
-            for key, fut in futures.items():
-                if isinstance(key, tuple):
-                    self._compiled[key] = fut.result()
-                else:
-                    self._compiled_sample[key] = fut.result()
+            for table, key, fut in futures:
+                table[key] = fut.result()
                 bar.update(1)
             bar.close()
+        if self.drafter is not None:
+            self.drafter.compile_all(self, progress)
         return time.perf_counter() - start
 
     @property
@@ -346,8 +429,11 @@ class ModelRunner:
         """Scratch memory of the largest step, measured from its compiled executables."""
         T, S = self.shapes.all[-1]
         fwd = self._compiled.get((T, S)) or self._compile(T, S)
-        smp = self._compiled_sample.get(S) or self._compile_sample(S)
-        return step_scratch_bytes(fwd, smp, S, self.vocab)
+        key = self.sample_key(T, S)
+        smp = self._compiled_sample.get(key) or self._compile_sample(key)
+        # with speculative decoding the verified positions' logits also wait for sampling
+        rows = S + (num_verify_rows(T, S, self.num_spec) if self.num_spec else 0)
+        return step_scratch_bytes(fwd, smp, rows, self.vocab)
 
     # per-step state
     def _update_states(self, out: SchedulerOutput) -> None:
@@ -422,23 +508,25 @@ class ModelRunner:
         args = self._put(inputs)
         # with LoRA: the slots' weights and each token's slot (jaxllm.lora)
         adapters = () if token_slots is None else ((self.lora.weights, self._put(token_slots)),)
-        logits, plp, self.kv_cache = exe(self.state, self.kv_cache, self.sampler_state, *args,
-                                         *adapters)
-        return logits, plp, sampling_only(args[-1])
+        logits, plp, self.kv_cache, *spec = exe(self.state, self.kv_cache, self.sampler_state,
+                                                *args, *self._extra_state(), *adapters)
+        return _Forward(shape, args, logits, plp, sampling_only(args[3]), *spec)
 
-    def _run_sample(self, S: int, logits, smd, bitmask: np.ndarray | None,
+    def _run_sample(self, key, fwd: "_Forward", bitmask: np.ndarray | None,
                     announced: bool = False):
-        """Sampling of an S-row step, under `bitmask` ([S, words] int32) when given."""
+        """Sampling of a step whose sampling key (sample_key) is `key`, under `bitmask`
+        ([S, words] int32) when given."""
+        S = fwd.logits.shape[0]
         if self.channel is not None:
             if not announced:
                 self.channel.announce(mp.SAMPLE, S, int(bitmask is not None))
             if bitmask is not None:
                 bitmask = self.channel.share(bitmask)
-        exe = self._compiled_sample.get(S)
+        exe = self._compiled_sample.get(key)
         if exe is None:
-            exe = self._compiled_sample[S] = self._compile_sample(S)
+            exe = self._compiled_sample[key] = self._compile_sample(key)
             self.num_compiles_after_warmup += 1
-            logger.warning("compiled sampling of %d rows outside warm-up", S)
+            logger.warning("compiled sampling of shape %s outside warm-up", key)
         if bitmask is None:
             mask, use = self._allow_all.get(S), self._no_mask
             if mask is None:
@@ -446,7 +534,11 @@ class ModelRunner:
                     np.full((S, bitmask_words(self.vocab)), -1, np.int32))
         else:
             mask, use = self._put((bitmask, np.bool_(True)))
-        res, self.sampler_state = exe(logits, self.sampler_state, smd, mask, use)
+        extra = ()
+        if self.num_spec:
+            raw_v, drafts, _ = fwd.verify
+            extra = (raw_v, drafts, fwd.args[4], self.spec_state)
+        res, self.sampler_state = exe(fwd.logits, self.sampler_state, fwd.smd, mask, use, *extra)
         return res
 
     def _set_sampler_rows(self, args, announced: bool = False) -> None:
@@ -474,9 +566,8 @@ class ModelRunner:
                 template = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), self._abstract_inputs(a, b))
                 forward = self._run_forward((a, b), template, announced=True)
             elif op == mp.SAMPLE:
-                logits, _, smd = forward
                 mask = np.zeros((a, bitmask_words(V)), np.int32) if b else None
-                self._run_sample(a, logits, smd, mask, announced=True)
+                self._run_sample(a, forward, mask, announced=True)
             elif op == mp.SET_ROWS:
                 self._set_sampler_rows((np.zeros(K, np.int32), np.zeros((K, L), np.int32),
                                         np.zeros(K, np.int32), np.zeros(K, np.int32),
@@ -503,6 +594,8 @@ class ModelRunner:
         start_of.update((d.req_id, d.num_computed_tokens) for d in out.scheduled_cached_reqs)
         starts = np.fromiter((start_of[r] for r in req_ids), np.int32, len(req_ids))
         final = np.fromiter((r in out.sampling_req_ids for r in req_ids), np.bool_, len(req_ids))
+        spec = out.scheduled_spec_decode_tokens
+        nd = np.fromiter((len(spec.get(r, ())) for r in req_ids), np.int32, len(req_ids))
         S_real, T_real = len(req_ids), int(n.sum())
         T, S = self.shapes.pick(T_real, S_real)
         md = attention_metadata(starts, n, batch.block_table[rows], T, S, self.block_size,
@@ -514,12 +607,15 @@ class ModelRunner:
         input_ids[:T_real] = np.where(known, batch.token_ids[tok_rows, np.where(known, pos, 0)], -1)
         logits_idx = np.zeros(S, np.int32)
         logits_idx[:S_real] = md.query_start_loc[1:S_real + 1] - 1
-        smd = self._sampling_metadata(rows, n, starts, final, md, T, S)
+        smd = self._sampling_metadata(rows, n, starts, final, md, T, S, nd)
+        inputs = (input_ids, md, logits_idx, smd)
+        if self.num_spec:
+            inputs += (self._verify_metadata(spec, req_ids, n, nd, md, smd, input_ids, T, S),)
         c = batch.cols
         step = _Step(req_ids, rows, batch.serial[rows].copy(), starts, n, final,
                      c["num_logprobs"][rows].copy(), c["num_prompt_logprobs"][rows].copy(),
-                     batch.num_prompt_tokens[rows].copy())
-        return step, (T, S), (input_ids, md, logits_idx, smd)
+                     batch.num_prompt_tokens[rows].copy(), nd)
+        return step, (T, S), inputs
 
     def _token_slots(self, rows: np.ndarray, md: AttentionMetadata, T: int) -> np.ndarray:
         """Each token's adapter slot (0: none), the step's adapters brought in first."""
@@ -531,7 +627,36 @@ class ModelRunner:
         token_slots[:T_real] = row_slots[md.token_seq_ids[:T_real]]
         return token_slots
 
-    def _sampling_metadata(self, rows, n, starts, final, md, T: int, S: int) -> SamplingMetadata:
+    def _verify_metadata(self, spec, req_ids, n, nd, md, smd, input_ids, T: int, S: int):
+        """The proposals are the last nd[i] tokens of sequence i: put them in the input ids
+        (from the host, or -2 - j for a draft model's proposal j held on the device), and
+        list the positions that score them."""
+        R, k = num_verify_rows(T, S, self.num_spec), self.num_spec
+        S_real, R_real = len(req_ids), int(nd.sum())
+        if R_real > R:
+            raise RuntimeError(f"{R_real} proposals exceed the step's {R} verified positions")
+        seq = np.repeat(np.arange(S_real, dtype=np.int32), nd)
+        pos = np.arange(R_real, dtype=np.int32) - np.repeat(np.cumsum(nd) - nd, nd).astype(np.int32)
+        first = md.query_start_loc[:S_real] + n - nd  # each sequence's first proposal
+        if R_real:
+            drafts = np.concatenate([spec[r] for r, m in zip(req_ids, nd) if m]).astype(np.int32)
+            input_ids[first[seq] + pos] = np.where(drafts >= 0, drafts, -2 - pos)
+        token_idx = np.zeros(R, np.int32)
+        token_idx[:R_real] = first[seq] + pos - 1
+        valid = np.zeros(R, np.bool_)
+        valid[:R_real] = True
+        nd_pad = np.zeros(S, np.int32)
+        nd_pad[:S_real] = nd
+        prob = (nd_pad > 0) & (smd.temperature >= GREEDY_EPS) & self.spec_probabilistic
+        pad = np.zeros(R, np.int32)
+        pad[:R_real] = seq
+        pos_pad = np.zeros(R, np.int32)
+        pos_pad[:R_real] = pos
+        return VerifyMetadata(token_idx, pad, pos_pad, valid, nd_pad, prob, np.bool_(R_real > 0),
+                              np.bool_(prob.any()))
+
+    def _sampling_metadata(self, rows, n, starts, final, md, T: int, S: int,
+                           num_draft=None) -> SamplingMetadata:
         batch, c = self.batch, self.batch.cols
         S_real, T_real = len(rows), int(n.sum())
 
@@ -547,6 +672,10 @@ class ModelRunner:
         # the output index of the token each row samples: its seed stream's position
         gen_index = np.zeros(S, np.int32)
         gen_index[:S_real] = starts + n - batch.num_prompt_tokens[rows]
+        # verified proposals are drawn at earlier output indices than the row's last token
+        first_index = gen_index.copy()
+        if num_draft is not None:
+            first_index[:S_real] -= num_draft
         is_final = np.zeros(S, np.bool_)
         is_final[:S_real] = final
         banned = np.full((S, MAX_BANNED), -1, np.int32)
@@ -574,7 +703,7 @@ class ModelRunner:
             np.bool_((random & ((cols["top_k"] > 0) | (cols["top_p"] < 1) | (cols["min_p"] > 0))).any()),
             np.bool_(((cols["repetition_penalty"] != 1) | (cols["frequency_penalty"] != 0)
                       | (cols["presence_penalty"] != 0)).any()),
-            np.bool_(cols["has_bias"].any()), np.bool_((cols["min_tokens"] > gen_index).any()),
+            np.bool_(cols["has_bias"].any()), np.bool_((cols["min_tokens"] > first_index).any()),
             np.bool_(any_banned), np.bool_((cols["num_logprobs"] >= 0).any()), np.bool_(any_plp))
 
     def dispatch(self, out: SchedulerOutput, masked: bool = False) -> "InFlight | None":
@@ -589,16 +718,17 @@ class ModelRunner:
             self.kv_cache = ops.swap_out(self.kv_cache, out.blocks_to_swap_out)
             self.kv_cache = ops.swap_in(self.kv_cache, out.blocks_to_swap_in)
             self._copy_blocks(out.blocks_to_copy)
+            if self.drafter is not None:  # the draft model's cache has the same blocks
+                self.drafter.block_ops(out)
         self._update_states(out)
         if out.is_empty:
             return None
         step, shape, inputs = self._prepare(out, list(out.num_scheduled_tokens))
-        smd = inputs[-1]
+        smd = inputs[3]
         slots = None if self.lora is None else self._token_slots(step.rows, inputs[1], shape[0])
-        logits, plp, smd_dev = self._run_forward(shape, inputs, slots)
+        fwd = self._run_forward(shape, inputs, slots)
         self.num_steps += 1
-        flight = InFlight(step, None, bool(smd.any_logprobs), bool(smd.any_prompt_logprobs),
-                          (logits, plp, smd_dev))
+        flight = InFlight(step, None, bool(smd.any_logprobs), bool(smd.any_prompt_logprobs), fwd)
         if not masked:
             self.sample(flight)
         return flight
@@ -606,14 +736,20 @@ class ModelRunner:
     def sample(self, flight: "InFlight", bitmask: np.ndarray | None = None) -> None:
         """Launch a dispatched step's sampling; `bitmask`: [rows of the step, words] int32,
         the tokens each row may sample (structured outputs)."""
-        logits, plp, smd = flight.pending
-        S = logits.shape[0]
+        fwd = flight.pending
+        S = fwd.logits.shape[0]
         if bitmask is not None and bitmask.shape[0] != S:  # padded rows allow everything
             full = np.full((S, bitmask.shape[1]), -1, np.int32)
             full[:bitmask.shape[0]] = bitmask
             bitmask = full
-        res = self._run_sample(S, logits, smd, bitmask)
-        flight.result, flight.pending = SamplerOutput(*res, *plp), None
+        res = self._run_sample(self.sample_key(*fwd.shape), fwd, bitmask)
+        if self.num_spec:
+            flight.result = VerifyOutput(*res, *fwd.plp, fwd.verify[2])
+        else:
+            flight.result = SamplerOutput(*res, *fwd.plp)
+        flight.pending = None
+        if self.drafter is not None:  # the next step's proposals, right behind this one
+            self.drafter.propose(self, fwd.shape, fwd.args, flight.result, flight.step)
 
     def collect(self, flight: "InFlight | None") -> RunnerOutput:
         """Wait for a dispatched step and bring its tokens (and logprobs) to the host. The
@@ -629,17 +765,28 @@ class ModelRunner:
         if flight.want_logprobs:
             lp, rank, top_ids, top_lp = (_host(x) for x in (res.logprobs, res.ranks,
                                                             res.top_ids, res.top_logprobs))
+        if tokens.ndim == 1:  # one token per sequence: a step without speculation
+            tokens, num = tokens[:, None], np.ones(len(tokens), np.int32)
+            if flight.want_logprobs:
+                lp, rank, top_ids, top_lp = lp[:, None], rank[:, None], top_ids[:, None], top_lp[:, None]
+        else:
+            num = _host(res.num_tokens)
         held = batch.serial[st.rows] == st.serials
         for i in np.nonzero(st.final)[0]:
-            rid, tok = st.req_ids[i], int(tokens[i])
-            result.sampled[rid] = [tok]
-            # a row given to another request meanwhile (finished, preempted) keeps its tokens
+            rid, m = st.req_ids[i], int(num[i])
+            toks = tokens[i, :m].tolist()
+            result.sampled[rid] = toks
+            # a row given to another request meanwhile (finished, preempted) keeps its tokens;
+            # the first emitted token follows the row's known tokens (and accepted proposals)
             if held[i]:
-                batch.set_token(st.rows[i], st.starts[i] + st.n[i], tok)
+                first = st.starts[i] + st.n[i] - st.num_draft[i]
+                for j, tok in enumerate(toks):
+                    batch.set_token(st.rows[i], first + j, tok)
             k = int(st.num_logprobs[i])
             if flight.want_logprobs and k >= 0:
-                result.logprobs[rid] = [Logprobs(float(lp[i]), int(rank[i]),
-                                                 top_ids[i, :k].tolist(), top_lp[i, :k].tolist())]
+                result.logprobs[rid] = [Logprobs(float(lp[i, j]), int(rank[i, j]),
+                                                 top_ids[i, j, :k].tolist(),
+                                                 top_lp[i, j, :k].tolist()) for j in range(m)]
         if flight.want_prompt_logprobs:
             self._collect_prompt_logprobs(res, st, result)
         return result
@@ -678,6 +825,7 @@ class _Step:
     num_logprobs: np.ndarray         # what each row asked for (the rows may be gone by collect)
     num_prompt_logprobs: np.ndarray
     num_prompt_tokens: np.ndarray
+    num_draft: np.ndarray            # proposals verified per row
 
 
 @dataclass
@@ -686,4 +834,16 @@ class InFlight:
     result: SamplerOutput | None  # None until sampling is launched
     want_logprobs: bool
     want_prompt_logprobs: bool
-    pending: tuple | None = None  # the forward pass's outputs, until sampling takes them
+    pending: "_Forward | None" = None  # the forward pass's outputs, until sampling takes them
+
+
+@dataclass
+class _Forward:
+    """A dispatched forward pass, on the device, until sampling takes it."""
+    shape: tuple[int, int]
+    args: tuple          # the step's inputs on the device (a draft model reads them too)
+    logits: jax.Array    # [S, V] of the rows that sample
+    plp: tuple           # prompt logprobs
+    smd: SamplingMetadata  # as sampling reads it
+    verify: tuple | None = None  # speculative decoding: (raw logits at the verified
+    #                              positions, the proposals, the resolved input ids)
