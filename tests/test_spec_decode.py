@@ -45,6 +45,12 @@ def test_bad_config_names_the_field(cfg, field):
         EngineConfig(speculative_config=cfg)
 
 
+def test_speculation_with_lora_is_refused():
+    with pytest.raises(ValueError, match="speculative_config is not supported with enable_lora"):
+        EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2},
+                     enable_lora=True)
+
+
 def test_config_defaults_and_json():
     c = SpeculativeConfig.parse('{"model": "[ngram]", "num_speculative_tokens": 4}')
     assert (c.method, c.prompt_lookup_min, c.prompt_lookup_max, c.model) == ("ngram", 5, 5, None)
