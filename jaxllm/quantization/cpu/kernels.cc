@@ -116,8 +116,10 @@ inline void codes32(const QMat& w, int64_t row, int64_t k, __m512& a, __m512& b)
   }
 }
 
-// NR weight rows x MR activation rows; K is a multiple of 32 (checked by the caller)
-template <int NR, int MR>
+// NR weight rows x MR activation rows; K is a multiple of 32 (checked by the caller). ONE:
+// groups of 32 or more, so a block of 32 codes has one scale and offset (one scalar load and
+// broadcast each instead of two: at one activation row they cost as much as the FMAs)
+template <int NR, int MR, bool ONE>
 void tile(const QMat& w, const float* x, int64_t K, int64_t n, float* y, int64_t N) {
   __m512 acc[NR][MR];
   for (int r = 0; r < NR; ++r)
@@ -135,10 +137,11 @@ void tile(const QMat& w, const float* x, int64_t K, int64_t n, float* y, int64_t
       __m512 a, b;
       codes32(w, row, k, a, b);
       const __m512 sa = _mm512_set1_ps(w.scale[row * ng + ga]);
-      const __m512 sb = _mm512_set1_ps(w.scale[row * ng + gb]);
+      const __m512 sb = ONE ? sa : _mm512_set1_ps(w.scale[row * ng + gb]);
       if (w.offset) {
-        a = _mm512_fmadd_ps(a, sa, _mm512_set1_ps(w.offset[row * ng + ga]));
-        b = _mm512_fmadd_ps(b, sb, _mm512_set1_ps(w.offset[row * ng + gb]));
+        const __m512 oa = _mm512_set1_ps(w.offset[row * ng + ga]);
+        a = _mm512_fmadd_ps(a, sa, oa);
+        b = _mm512_fmadd_ps(b, sb, ONE ? oa : _mm512_set1_ps(w.offset[row * ng + gb]));
       } else {
         a = _mm512_mul_ps(a, sa);
         b = _mm512_mul_ps(b, sb);
@@ -153,11 +156,17 @@ void tile(const QMat& w, const float* x, int64_t K, int64_t n, float* y, int64_t
     for (int i = 0; i < MR; ++i) y[i * N + n + r] = _mm512_reduce_add_ps(acc[r][i]);
 }
 
+template <int MR, bool ONE>
+void rows_g(const QMat& w, const float* x, int64_t n0, int64_t n1, float* y) {
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) tile<4, MR, ONE>(w, x, w.K, n, y, w.N);
+  for (; n < n1; ++n) tile<1, MR, ONE>(w, x, w.K, n, y, w.N);
+}
+
 template <int MR>
 void rows_m(const QMat& w, const float* x, int64_t n0, int64_t n1, float* y) {
-  int64_t n = n0;
-  for (; n + 4 <= n1; n += 4) tile<4, MR>(w, x, w.K, n, y, w.N);
-  for (; n < n1; ++n) tile<1, MR>(w, x, w.K, n, y, w.N);
+  if (w.G % 32 == 0) rows_g<MR, true>(w, x, n0, n1, y);
+  else rows_g<MR, false>(w, x, n0, n1, y);
 }
 
 void qmm_rows(const QMat& w, const float* x, int64_t M, int64_t n0, int64_t n1, float* y) {
