@@ -87,21 +87,30 @@ def throughput(llm, prompts, output_len: int, loras) -> dict:
 
 
 def replay(runner, shape, inputs, token_slots, steps: int, blocks: int = 3) -> dict:
-    """One compiled step run `steps` times back to back, inputs on the device: seconds per
-    step in wall time and in this process's CPU time (all threads; what a busy shared
-    machine disturbs least), the best of `blocks`."""
+    """One compiled step (its forward and sampling calls, as the engine launches them) run
+    `steps` times back to back, inputs on the device: seconds per step in wall time and in
+    this process's CPU time (all threads; what a busy shared machine disturbs least), the
+    best of `blocks`."""
     import jax
-    exe = runner._compiled[shape]
+    from jaxllm.runner.model_runner import bitmask_words, sampling_only
+    forward, sample = runner._compiled[shape], runner._compiled_sample[runner.sample_key(*shape)]
     args = runner._put(inputs)
+    smd = sampling_only(args[-1])
+    mask = runner._put(np.full((shape[1], bitmask_words(runner.vocab)), -1, np.int32))
     adapters = () if token_slots is None else ((runner.lora.weights, runner._put(token_slots)),)
-    kv, sampler = runner.kv_cache, runner.sampler_state
-    res, kv, sampler = exe(runner.state, kv, sampler, *args, *adapters)
+
+    def step(kv, sampler):
+        logits, _, kv = forward(runner.state, kv, sampler, *args, *adapters)
+        res, sampler = sample(logits, sampler, smd, mask, runner._no_mask)
+        return res, kv, sampler
+
+    res, kv, sampler = step(runner.kv_cache, runner.sampler_state)
     jax.block_until_ready(res)
     wall, cpu = [], []
     for _ in range(blocks):
         t, c = time.perf_counter(), time.process_time()
         for _ in range(steps):
-            res, kv, sampler = exe(runner.state, kv, sampler, *args, *adapters)
+            res, kv, sampler = step(kv, sampler)
         jax.block_until_ready(res)
         wall.append((time.perf_counter() - t) / steps)
         cpu.append((time.process_time() - c) / steps)
@@ -116,7 +125,7 @@ def decode_step(llm, prompts, loras, replay_steps: int, spreads=()) -> dict:
     engine = llm.llm_engine
     runner = engine.runner
     recorded = []
-    run = runner._run_step
+    run = runner._run_forward
 
     def record(shape, inputs, token_slots=None, *a, **kw):
         md = inputs[1]
@@ -131,12 +140,12 @@ def decode_step(llm, prompts, loras, replay_steps: int, spreads=()) -> dict:
         engine.add_request(f"step-{i}-{time.monotonic_ns()}", {"prompt_token_ids": p},
                            SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True),
                            lora_request=lr)
-    runner._run_step = record
+    runner._run_forward = record
     try:
         while engine.has_unfinished_requests():
             engine.step()
     finally:
-        runner._run_step = run
+        runner._run_forward = run
     shape, inputs, slots = recorded[len(recorded) // 2]
     out = {"shape": list(shape), "step": replay(runner, shape, inputs, slots, replay_steps)}
     md = inputs[1]

@@ -86,6 +86,20 @@ def test_structured(tiny_llama, tmp_path):
     assert all(v["n"] == 1 and v["median"] > 0 for v in r["ttft_s"].values())
 
 
+@pytest.mark.slow
+def test_lora(tiny_llama, tmp_path):
+    run_cli("bench", "lora", "--model", tiny_llama, *ENGINE, "--num-prompts", "4",
+            "--input-len", "12", "--output-len", "4", "--num-adapters", "2", "--lora-rank", "4",
+            "--decode-batch", "4", "--replay-steps", "2", "--num-iters", "1", "--no-ops",
+            "--results-dir", str(tmp_path), "--tag", "lora")
+    r = read_json(tmp_path / "lora.json")
+    assert r["base_outputs_identical_with_lora_enabled"]
+    assert r["throughput_ratio_adapters_vs_base"]["output_tokens_per_s"] > 0
+    step = r["decode_step"]["lora_engine"]
+    assert step["shape"][1] >= 4 and all(step[f"{k}_adapters"]["wall_s"] > 0 for k in range(3))
+    assert r["compilations_after_warmup"] == 0
+
+
 def test_dummy_weights_from_a_bare_config(tmp_path):
     from conftest import _tiny_config
     d = tmp_path / "cfg"
