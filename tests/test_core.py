@@ -169,6 +169,15 @@ def test_step_shapes_cover_every_batch():
         # a small decode batch runs at its own size, not padded to 16 tokens
         assert shapes.pick(1, 1) == ((1, 1) if decode else (16, 2))
         assert shapes.pick(5, 5) == ((8, 8) if decode else (16, 8))
+    # speculating with k = 4: a verifying sequence runs 5 tokens, two of them 10
+    shapes = StepShapes(make_buckets(16, 512), make_buckets(1, 64), decode_buckets=(1, 2, 4, 8),
+                        spec_width=5)
+    assert shapes.pick(5, 1) == (5, 1) and shapes.pick(10, 2) == (10, 2)
+    assert shapes.pick(1, 1) == (1, 1) and shapes.pick(6, 1) == (8, 8)
+    for tokens in range(1, 65):
+        for seqs in range(1, min(tokens, 64) + 1):
+            t, s = shapes.pick(tokens, seqs)
+            assert (t, s) in shapes.all and t >= tokens and s >= seqs and s <= t
 
 
 def test_max_loras_per_step_base_requests_go_on_no_adapter_starves():

@@ -34,14 +34,22 @@ def pick(buckets: list[int], n: int) -> int:
 
 class StepShapes:
     def __init__(self, token_buckets: list[int], seq_buckets: list[int], seq_ratio: int = 8,
-                 decode_buckets: list[int] = ()):
+                 decode_buckets: list[int] = (), spec_width: int = 1):
         """decode_buckets: token counts below the smallest token bucket compiled only as
         (t tokens, t sequences), the shape of a small decode batch (on a CPU a step costs in
-        proportion to its padded tokens; a GPU pads for free)."""
-        small = [t for t in decode_buckets if t < token_buckets[0] and t in seq_buckets]
+        proportion to its padded tokens; a GPU pads for free). With speculative decoding
+        (spec_width = k + 1 tokens a verifying sequence runs) also (t * (k + 1), t)."""
+        seqs_for: dict[int, set[int]] = {}
+        for t in decode_buckets:
+            if t not in seq_buckets:
+                continue
+            for width in {1, spec_width}:
+                if t * width < token_buckets[0]:
+                    seqs_for.setdefault(t * width, set()).add(t)
+        small = sorted(seqs_for)
         self.token_buckets = small + token_buckets
         self.seq_buckets = seq_buckets
-        self.seqs_for: dict[int, list[int]] = {t: [t] for t in small}
+        self.seqs_for: dict[int, list[int]] = {t: sorted(seqs_for[t]) for t in small}
         for t in token_buckets:
             fits = [s for s in seq_buckets if s <= t]
             lo = min(t // seq_ratio, fits[-1])

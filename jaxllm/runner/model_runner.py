@@ -308,7 +308,7 @@ class ModelRunner:
         decode = [1, 2, 4, 8] if platform_of(self.mesh) == "cpu" else []
         self.shapes = StepShapes(
             make_buckets(min(16, max_num_batched_tokens), max_num_batched_tokens, linear_from=1024),
-            make_buckets(1, max_num_seqs), decode_buckets=decode)
+            make_buckets(1, max_num_seqs), decode_buckets=decode, spec_width=num_spec_tokens + 1)
         self.replicated = sharding(self.mesh)
         kv_shape = kv_cache_shape(self.arch, num_blocks, block_size)
         self.kv_cache_dtype = kv_cache_dtype
