@@ -1,6 +1,8 @@
 """The forms a projection's dot can take on this machine, in GFLOP/s by rows: what
 jaxllm.layers.linear's dtype policy is chosen from. x[M,K] @ w[K,N] at the default model's
-shapes (576 -> 1536 is its MLP), each form jitted alone, best of three blocks."""
+shapes (576 -> 1536 is its MLP), each form jitted alone, best of three blocks. One matrix
+stays in the CPU's caches here; a decode step streams every layer's from memory, where the
+bytes per weight count more (a bf16 weight reads half of an f32 one)."""
 from __future__ import annotations
 
 import argparse
@@ -23,8 +25,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def forms():
     import jax
     import jax.numpy as jnp
+    from jaxllm.quantization import cpu
     f32, bf16 = jnp.float32, jnp.bfloat16
-    return {
+    kernel = {}
+    if jax.default_backend() == "cpu" and cpu.available():
+        # what the CPU bf16 policy runs: the weights widened in registers (quantization/cpu)
+        kernel["bf16 weights, jaxllm CPU kernel"] = (lambda x, w: cpu.dense_bf16(x, w), bf16)
+    return {**kernel,
         # name: (fn(x, w), weight dtype)
         "f32": (lambda x, w: x @ w, f32),
         "bf16 weights, bf16 dot, f32 accumulation": (

@@ -186,8 +186,8 @@ def compile_steps(mesh, device_memory: int, args) -> dict:
         specs = get_model_class(arch.architecture).param_specs(arch)
         layouts = {n: lay for n, sp in specs.items()
                    if (lay := qm.online_layout(args.quantization, n, sp)) is not None}
-        from jaxllm.loader.loader import quant_backend
-        quant = qm.QuantSpec(args.quantization, tuple(sorted(layouts.items())), quant_backend(mesh))
+        from jaxllm.quantization import matmul_backend
+        quant = qm.QuantSpec(args.quantization, tuple(sorted(layouts.items())), matmul_backend(mesh))
     graphdef, abstract_state, shardings = abstract_model(arch, uniform_policy(dtype),
                                                          args.attention_backend, mesh, quant)
     state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),

@@ -123,7 +123,8 @@ def peaked_model(tmp_path_factory, tokenizer_dir):
 @pytest.fixture(scope="session")
 def tiny_llm(tiny_llama):
     from jaxllm import LLM
-    return LLM(tiny_llama, **SMALL_ENGINE)
+    # float32: its tests compare logprobs with HF's (auto on a CPU stores bf16 weights)
+    return LLM(tiny_llama, dtype="float32", **SMALL_ENGINE)
 
 
 @pytest.fixture(scope="session")

@@ -251,6 +251,23 @@ def test_cpu_bf16_policy_stores_bf16_and_stays_close(tmp_path):
         assert (a.argmax(-1) == b.argmax(-1)).mean() > 0.8
 
 
+@pytest.mark.parametrize("family", ["llama3", "qwen2"])
+def test_cpu_bf16_kernel_matches_xla_widening(tmp_path, monkeypatch, family):
+    """The CPU kernel that reads bf16 weights in place (layers' stacks, the tied or untied
+    head) computes what XLA computes from the same weights widened to f32."""
+    from jaxllm.layers.linear import CPU_BF16_POLICY
+    make_tiny_checkpoint(tmp_path, family)
+    kern = load_model(str(tmp_path), CPU_BF16_POLICY, load_tokenizer=False)
+    from flax import nnx
+    assert nnx.merge(kern.graphdef, kern.state).dense_kernel
+    monkeypatch.setenv("JAXLLM_QUANT_BACKEND", "xla")
+    xla = load_model(str(tmp_path), CPU_BF16_POLICY, load_tokenizer=False)
+    assert not nnx.merge(xla.graphdef, xla.state).dense_kernel
+    ids = np.random.default_rng(1).integers(0, 49152, size=21).tolist()
+    a, b = all_logits(kern, ids), all_logits(xla, ids)
+    assert np.abs(a - b).max() / np.abs(b).max() < 1e-5
+
+
 def test_longrope_refuses_a_context_past_the_original(tmp_path):
     """LongRoPE's long factors would re-rotate cached keys: the model serves its original
     context with the short factors, and a longer max_model_len is refused."""
@@ -275,11 +292,17 @@ def test_registry_dispatches_on_architectures():
         LlamaForCausalLM.HF_WEIGHTS.lookup("model.layers.0.self_attn.qkv_proj.weight")
 
 
-def test_dtype_policy_per_platform():
-    from jaxllm.layers.linear import CPU_BF16_POLICY, resolve_policy
-    assert resolve_policy("auto", "cpu").weight == jnp.float32  # measured fastest (bench dots)
+def test_dtype_policy_per_platform(monkeypatch):
+    from jaxllm.layers.linear import CPU_BF16_POLICY, cpu_kernels, resolve_policy
+    # on one CPU device with the kernels, bf16 weights widened in registers (bench dots)
+    assert cpu_kernels()
+    assert resolve_policy("auto", "cpu") == CPU_BF16_POLICY
+    assert resolve_policy("auto", "cpu", devices=2).weight == jnp.float32  # no kernel under TP
+    monkeypatch.setenv("JAXLLM_CPU_KERNELS", "0")
+    assert resolve_policy("auto", "cpu").weight == jnp.float32
     assert resolve_policy("bfloat16", "cpu") == CPU_BF16_POLICY
-    assert CPU_BF16_POLICY.activation == jnp.float32 and CPU_BF16_POLICY.accum == jnp.float32
+    assert CPU_BF16_POLICY.activation == CPU_BF16_POLICY.dot == CPU_BF16_POLICY.accum == jnp.float32
+    assert resolve_policy("float32", "cpu").weight == jnp.float32
     gpu = resolve_policy("auto", "gpu")
     assert gpu.weight == gpu.activation == jnp.bfloat16
     assert resolve_policy("float32", "gpu").dot == jnp.float32

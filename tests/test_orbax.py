@@ -36,7 +36,7 @@ def assert_same_model(ref, got):
 @pytest.fixture(scope="module")
 def tiny_ckpt(tiny_llama, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("ckpt") / "tiny")
-    assert main(["convert", tiny_llama, out]) == 0
+    assert main(["convert", tiny_llama, out, "--dtype", "float32"]) == 0
     return out
 
 
@@ -51,7 +51,7 @@ def test_round_trip_each_family_and_source(source, tmp_path, tokenizer_dir):
         # metadata takes seconds each time the file is opened
         src, tok = str(tmp_path / "tiny.gguf"), tokenizer_dir
         write_gguf(hf, src)
-    out = jo.convert(src, str(tmp_path / "ckpt"), tokenizer=tok)
+    out = jo.convert(src, str(tmp_path / "ckpt"), dtype="float32", tokenizer=tok)
     ref = load_model(src, jnp.float32, tokenizer=tok)
     got = load_model(out, jnp.float32)
     assert_same_model(ref, got)
@@ -73,7 +73,7 @@ def test_engine_runs_a_converted_checkpoint_as_its_source(tiny_llm, tiny_ckpt):
     prompts = ["The capital of France is", [5, 77, 900, 12]]
     msgs = [{"role": "user", "content": "hi"}]
     outs = []
-    for llm in (tiny_llm, LLM(tiny_ckpt, **SMALL_ENGINE)):
+    for llm in (tiny_llm, LLM(tiny_ckpt, dtype="float32", **SMALL_ENGINE)):
         res = llm.generate(prompts, params, use_tqdm=False)
         chat = llm.chat(msgs, SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)
         outs.append(([o.outputs[0].token_ids for o in res],
@@ -229,7 +229,7 @@ def test_quantized_round_trip(source, tiny_llama, tokenizer_dir, tmp_path):
         hf = make_tiny_checkpoint(tmp_path / "hf", "llama3", tokenizer_dir)
         src, quant, tok = str(tmp_path / "q.gguf"), None, tokenizer_dir
         write_gguf(hf, src, qtype=gguf.GGMLQuantizationType.Q4_0)
-    out = jo.convert(src, str(tmp_path / "ckpt"), quantization=quant, tokenizer=tok)
+    out = jo.convert(src, str(tmp_path / "ckpt"), dtype="float32", quantization=quant, tokenizer=tok)
     meta = jo.read_metadata(out)
     ref = load_model(src, jnp.float32, tokenizer=tok, quantization=quant)
     assert meta["quantization"] == ref.quant.method == ("int4" if quant else "gguf")

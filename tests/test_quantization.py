@@ -142,6 +142,30 @@ def test_cpu_kernels_match_the_xla_path(case):
                 assert rel(ref, np.asarray(x) @ h.dequantize()[layer].T) < 1e-5
 
 
+@pytest.mark.parametrize("out_major", [False, True])
+def test_cpu_bf16_kernel_matches_numpy(out_major):
+    """The CPU kernel for bf16 float weights (layers' stacks [L, K, N], a tied head [N, K])
+    against numpy on the same bf16 values widened: every tiling remainder of rows (M) and
+    columns (N = 16 * 9 + 5: whole tiles, single vectors, scalar columns)."""
+    from jaxllm.quantization import cpu
+    if not cpu.available():
+        pytest.fail("the CPU kernels did not build here (see the warning)")
+    K, N = 96, 16 * 9 + 5
+    w = jnp.asarray(RNG.standard_normal((3, N, K) if out_major else (3, K, N)), jnp.bfloat16)
+    wf = np.asarray(w.astype(jnp.float32))
+    f = jax.jit(lambda x, w, i: cpu.dense_bf16(x, w, i, out_major))
+    for M in (1, 2, 3, 4, 7, 9):
+        x = RNG.standard_normal((M, K)).astype(np.float32)
+        for layer in (0, 2):
+            ref = x @ (wf[layer].T if out_major else wf[layer])
+            assert rel(np.asarray(f(x, w, jnp.int32(layer))), ref) < 1e-5, (M, layer)
+    # one matrix (no stack) with leading batch dimensions
+    x = RNG.standard_normal((2, 3, K)).astype(np.float32)
+    got = np.asarray(jax.jit(lambda x, w: cpu.dense_bf16(x, w, None, out_major))(x, w[1]))
+    assert got.shape == (2, 3, N)
+    assert rel(got, x @ (wf[1].T if out_major else wf[1])) < 1e-5
+
+
 @pytest.mark.parametrize("kind,group,N,K,M", [("int4", 32, 96, 128, 5), ("int4", 128, 64, 256, 20),
                                                ("int8", 16, 64, 64, 3), ("int8", 32, 48, 96, 17)])
 def test_pallas_group_quantized_matmul(kind, group, N, K, M):

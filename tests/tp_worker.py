@@ -21,7 +21,7 @@ def main():
     out = {}
     for tp in sizes:
         try:
-            llm = LLM(model, tensor_parallel_size=tp, max_num_seqs=4, max_num_batched_tokens=64,
+            llm = LLM(model, tensor_parallel_size=tp, dtype="float32", max_num_seqs=4, max_num_batched_tokens=64,
                       max_model_len=256, warmup=False, enable_prefix_caching=False,
                       attention_backend=os.environ.get("JAXLLM_TEST_BACKEND", "xla"),
                       quantization=os.environ.get("JAXLLM_TEST_QUANT") or None)

@@ -94,7 +94,8 @@ class LLMEngine:
         platform = jax.default_backend()
         # weights' storage and the dots' dtypes per platform (jaxllm.layers.linear); the KV
         # cache and element-wise work run in the policy's activation dtype
-        self.policy = resolve_policy(config.dtype, platform)
+        self.policy = resolve_policy(config.dtype, platform,
+                                     config.tensor_parallel_size * config.num_processes)
         self.dtype = self.policy.activation
         if config.attention_backend == "auto":
             config.attention_backend = "pallas" if platform == "gpu" else "xla"

@@ -9,15 +9,20 @@ accumulates in `accum`, returning `activation`.
 
 Chosen by measurement (`jaxllm bench dots`, benchmarks/results/dots_*.json). On this
 project's CPU (AMD Zen 4: AVX-512 with BF16 instructions, no AMX) XLA:CPU's f32 dot is the
-fastest form at every row count from 1 to 256: bf16 operands with f32 accumulation reach
-0.3-0.8x of it, and bf16 element-wise work is slower still. So `auto` is f32 on a CPU.
-`bfloat16` on a CPU means bf16 weights (half the memory) with f32 element-wise work and bf16
-dots accumulating in f32 (`CPU_BF16_POLICY`), never bf16 element-wise work, which XLA:CPU
-runs far slower. On a GPU `auto` and `bfloat16` are bf16 throughout.
+fastest of XLA's forms at every row count from 1 to 256: bf16 operands with f32 accumulation
+reach 0.3-0.8x of it, and a bf16 weight widened to f32 before XLA's dot is written out whole
+first (7x slower at one row). The CPU kernel `jaxllm_bf16_*` (quantization/cpu) widens bf16
+weights in registers instead, reading each layer's matrix in place: 2x the f32 dot at 1-4
+rows (decode reads half the bytes), 1.2-1.4x at 8-16, equal at 64-256. So on a CPU where the
+kernels build (one device), `auto` and `bfloat16` are `CPU_BF16_POLICY`: bf16 weights, f32
+element-wise work, f32 dots through the kernel. Elsewhere on a CPU (tensor parallelism, no
+compiler) `auto` is f32 and `bfloat16` the same policy on XLA's slower dots; bf16 element-wise
+work is never used on a CPU (XLA:CPU runs it far slower). On a GPU `auto` and `bfloat16` are
+bf16 throughout.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -45,28 +50,55 @@ def uniform_policy(dtype) -> DTypePolicy:
     return DTypePolicy(jnp.dtype(d).name, d, d, d, d)
 
 
-# `bfloat16` on a CPU: bf16 storage, f32 element-wise work and accumulation
-CPU_BF16_POLICY = DTypePolicy("cpu-bfloat16", jnp.bfloat16, jnp.float32, jnp.bfloat16, jnp.float32)
+# a CPU's bf16: bf16 storage, widened to f32 for the dots; f32 element-wise work
+CPU_BF16_POLICY = DTypePolicy("cpu-bfloat16", jnp.bfloat16, jnp.float32, jnp.float32, jnp.float32)
 
 
-def resolve_policy(dtype: str, platform: str) -> DTypePolicy:
+def resolve_policy(dtype: str, platform: str, devices: int = 1) -> DTypePolicy:
+    """devices: how many devices the model is split over (the CPU kernels run on one)."""
     accelerator = platform in ("gpu", "tpu")
     if dtype == "auto":
-        return uniform_policy(jnp.bfloat16 if accelerator else jnp.float32)
+        if accelerator:
+            return uniform_policy(jnp.bfloat16)
+        return CPU_BF16_POLICY if devices == 1 and cpu_kernels() else uniform_policy(jnp.float32)
     if dtype == "bfloat16" and not accelerator:
         return CPU_BF16_POLICY
     return uniform_policy(dtype)
 
 
+def cpu_kernels() -> bool:
+    """Whether a one-device CPU model runs its matmuls through the CPU kernels (they read bf16
+    weights at twice the f32 dot's speed at decode; without them bf16 is slower than f32)."""
+    from jaxllm.quantization import matmul_backend
+    return matmul_backend(None) == "cpu"
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class DenseWeight:
+    """A bf16 float matrix for the CPU kernel: a layer stack [L, K, N] with the index of the
+    layer to use (read in place: XLA would copy a slice of the stack out first), or one
+    matrix; out_major: [N, K] (a tied embedding table as the head)."""
+    w: jax.Array
+    layer: jax.Array | int | None = None
+    out_major: bool = field(default=False, metadata=dict(static=True))
+
+    def at(self, layer) -> "DenseWeight":
+        return DenseWeight(self.w, layer, self.out_major)
+
+
 def linear(x: jax.Array, w, policy: DTypePolicy, bias: jax.Array | None = None,
            lora=None) -> jax.Array:
     """x[..., in] @ w (+ bias) in the policy's dtypes; returns `policy.activation`. w is a
-    float [in, out] array or a quantized weight (jaxllm.quantization.qweight.QWeight,
-    out-major, read by its own matmul). `lora(x, y)` (jaxllm.lora.ops) adds the adapters'
+    float [in, out] array, a DenseWeight (the CPU bf16 kernel) or a quantized weight
+    (jaxllm.quantization.qweight.QWeight, out-major, read by its own matmul). `lora(x, y)` (jaxllm.lora.ops) adds the adapters'
     delta to the output."""
     from jaxllm.quantization.qweight import QWeight, matmul
     if isinstance(w, QWeight):
         y = matmul(x, w, policy)
+    elif isinstance(w, DenseWeight):
+        from jaxllm.quantization import cpu
+        y = cpu.dense_bf16(x, w.w, w.layer, w.out_major)
     elif policy.accum == policy.dot:
         y = jnp.dot(x.astype(policy.dot), w.astype(policy.dot))
     else:

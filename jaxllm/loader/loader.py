@@ -24,6 +24,7 @@ from jaxllm.models import ArchConfig, get_model_class
 from jaxllm.models.base import param_dtypes
 from jaxllm.models.registry import arch_from_hf, model_class_for_gguf
 from jaxllm import quantization as qmethods
+from jaxllm.quantization import matmul_backend
 from jaxllm.quantization.formats import HostQuant
 
 logger = logging.getLogger(__name__)
@@ -274,24 +275,6 @@ def _check_shardable(specs: dict, mesh) -> None:
                                  "weights each device needs whole groups; choose another size)")
 
 
-def quant_backend(mesh) -> str:
-    """Where quantized matmuls run: the CPU kernels on a one-device CPU mesh when they build,
-    the Pallas kernel for group-quantized weights on one GPU; XLA's dots elsewhere (a custom
-    call cannot be split by XLA's sharding). JAXLLM_QUANT_BACKEND overrides it (tests)."""
-    from jaxllm.parallel import platform_of
-    forced = os.environ.get("JAXLLM_QUANT_BACKEND")
-    if forced:
-        return forced
-    platform = platform_of(mesh)
-    if platform == "cpu" and mesh.size == 1 and os.environ.get("JAXLLM_CPU_KERNELS", "1") != "0":
-        from jaxllm.quantization import cpu
-        if cpu.available():
-            return "cpu"
-    if platform == "gpu" and mesh.size == 1:
-        return "pallas"
-    return "xla"
-
-
 def load_model(model: str | None, policy, load_format: str = "auto", seed: int = 0,
                tokenizer: str | None = None, attention_backend: str = "xla",
                load_tokenizer: bool = True, mesh=None, quantization: str | None = None) -> LoadedModel:
@@ -325,7 +308,7 @@ def load_model(model: str | None, policy, load_format: str = "auto", seed: int =
         # the engine's own layout, restored into the mesh's shardings as it is
         meta = orbax.read_metadata(path)
         orbax.check_compatible(meta, path, mesh.size, quantization)
-        quant = orbax.quant_spec(meta, quant_backend(mesh))
+        quant = orbax.quant_spec(meta, matmul_backend(mesh))
         if quant is not None and quant.backend == "cpu":
             from jaxllm.quantization import cpu
             cpu.prepare_async()  # the kernels build while the weights load
@@ -370,7 +353,7 @@ def load_model(model: str | None, policy, load_format: str = "auto", seed: int =
             layouts = {k: replace(lay, scale_dtype=weights[k].scale.dtype.name) for k, lay in layouts.items()}
         quant = None
         if layouts:
-            quant = qmethods.QuantSpec(method, tuple(sorted(layouts.items())), quant_backend(mesh))
+            quant = qmethods.QuantSpec(method, tuple(sorted(layouts.items())), matmul_backend(mesh))
             _check_shardable(qmethods.quantized_specs(cls.param_specs(arch), quant), mesh)
     if dummy or weights is not None:
         graphdef, abstract_state, shardings = abstract_model(arch, policy, attention_backend, mesh, quant)

@@ -281,7 +281,7 @@ def convert(model: str | None, out: str, dtype: str = "auto", quantization: str 
 
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise ValueError(f"output directory {out} already exists and is not empty")
-    policy = resolve_policy(dtype, jax.default_backend())
+    policy = resolve_policy(dtype, jax.default_backend(), tensor_parallel_size)  # as the engine's
     source = os.path.abspath(resolve_model_path(model))
     loaded = load_model(source, policy, load_format, seed, tokenizer, mesh=make_mesh(tensor_parallel_size),
                         quantization=quantization)

@@ -17,13 +17,13 @@ import numpy as np
 from flax import nnx
 
 from jaxllm.layers.attention import AttentionMetadata, attention_block
-from jaxllm.layers.linear import DTypePolicy, linear, uniform_policy
+from jaxllm.layers.linear import DenseWeight, DTypePolicy, linear, uniform_policy
 from jaxllm.layers.norm import rms_norm
 from jaxllm.layers.rotary import apply_rope, rope_inv_freq, rope_mscale
 from jaxllm.models.arch import ArchConfig
 from jaxllm.models.base import ParamSpec, Target, WeightMap
 from jaxllm.parallel import platform_of
-from jaxllm.quantization import QuantSpec, quantized_specs
+from jaxllm.quantization import QuantSpec, matmul_backend, quantized_specs
 from jaxllm.quantization.qweight import QWeight, embed_rows
 
 
@@ -205,6 +205,9 @@ class LlamaForCausalLM(nnx.Module):
             scan_layers = platform_of(mesh) != "gpu"
         self.scan_layers = scan_layers
         self.quant = quant
+        # bf16 float matrices on a CPU go through the kernel that widens them in registers
+        self.dense_kernel = (jnp.dtype(policy.weight) == jnp.bfloat16 and platform_of(mesh) == "cpu"
+                             and jnp.dtype(policy.dot) == jnp.float32 and matmul_backend(mesh) == "cpu")
         specs = self.param_specs(cfg)
         full = quantized_specs(specs, quant)
 
@@ -226,6 +229,8 @@ class LlamaForCausalLM(nnx.Module):
         head = self.lm_head if self.lm_head is not None else self.embed_tokens
         if isinstance(head, QParam):  # quantized matrices are out-major: the table itself
             head = head.weight()
+        elif self.dense_kernel:
+            head = DenseWeight(head[...], out_major=self.lm_head is None)
         elif self.lm_head is None:
             head = head[...].T
         else:
@@ -278,9 +283,13 @@ class LlamaForCausalLM(nnx.Module):
             return (x, kv, i + 1), None
 
         weights = self.layers.weights()
-        # quantized stacks are read in place at the layer's index (quantization.qweight)
-        stacked = {k: w for k, w in weights.items() if not isinstance(w, QWeight)}
-        quantized = {k: w for k, w in weights.items() if isinstance(w, QWeight)}
+        if self.dense_kernel:
+            weights = {k: DenseWeight(w) if not isinstance(w, QWeight) and w.ndim == 3 else w
+                       for k, w in weights.items()}
+        # quantized (and kernel-read) stacks are read in place at the layer's index
+        in_place = (QWeight, DenseWeight)
+        stacked = {k: w for k, w in weights.items() if not isinstance(w, in_place)}
+        quantized = {k: w for k, w in weights.items() if isinstance(w, in_place)}
         if lora is not None:  # the adapters' stacked weights are scanned with the layers'
             stacked["lora"] = lora.weights
 

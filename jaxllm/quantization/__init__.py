@@ -17,6 +17,7 @@ the most sensitive to activation quantization. Layouts are in formats.py.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -175,3 +176,23 @@ def weight_bytes(state) -> int:
     """Bytes of every parameter array (what the weights occupy on the device)."""
     import jax
     return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(state))
+
+
+def matmul_backend(mesh) -> str:
+    """Where quantized matmuls (and on a CPU, bf16 float ones) run: the CPU kernels on a
+    one-device CPU mesh (None: JAX's default device) when they build, the Pallas kernel for
+    group-quantized weights on one GPU; XLA's dots elsewhere (a custom call cannot be split
+    by XLA's sharding). JAXLLM_QUANT_BACKEND overrides it (tests)."""
+    from jaxllm.parallel import platform_of
+    forced = os.environ.get("JAXLLM_QUANT_BACKEND")
+    if forced:
+        return forced
+    platform = platform_of(mesh)
+    one = mesh is None or mesh.size == 1
+    if platform == "cpu" and one and os.environ.get("JAXLLM_CPU_KERNELS", "1") != "0":
+        from jaxllm.quantization import cpu
+        if cpu.available():
+            return "cpu"
+    if platform == "gpu" and one:
+        return "pallas"
+    return "xla"

@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from math import prod
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +29,8 @@ logger = logging.getLogger(__name__)
 SOURCE = os.path.join(os.path.dirname(__file__), "kernels.cc")
 CACHE = os.environ.get("JAXLLM_KERNEL_CACHE_DIR", os.path.expanduser("~/.cache/jaxllm/kernels"))
 TARGETS = {"jaxllm_qmm": "JaxllmQmm", "jaxllm_qmm_sym": "JaxllmQmmSym",
-           "jaxllm_w8a8": "JaxllmW8A8", "jaxllm_w8a8_smooth": "JaxllmW8A8Smooth"}
+           "jaxllm_w8a8": "JaxllmW8A8", "jaxllm_w8a8_smooth": "JaxllmW8A8Smooth",
+           "jaxllm_bf16_in_out": "JaxllmBf16InOut", "jaxllm_bf16_out_in": "JaxllmBf16OutIn"}
 
 _lock = threading.Lock()
 _state: dict = {}
@@ -125,4 +127,18 @@ def matmul(x: jax.Array, w) -> jax.Array:
         y = jax.ffi.ffi_call("jaxllm_qmm", out)(x2, q, scale, offset, layer)
     else:
         y = jax.ffi.ffi_call("jaxllm_qmm_sym", out)(x2, q, scale, layer)
+    return y.reshape(*lead, N)
+
+
+def dense_bf16(x: jax.Array, w: jax.Array, layer=None, out_major: bool = False) -> jax.Array:
+    """x [.., K] @ a bf16 matrix -> [.., N] f32, widening the weights in registers. w: a stack
+    [L, K, N] read at `layer` in place (no slice copied), or one matrix [K, N]; out_major: the
+    matrix is [N, K] (a tied embedding table as the head)."""
+    lead, K = x.shape[:-1], x.shape[-1]
+    w3 = w if layer is not None else w[None]
+    N = w3.shape[1] if out_major else w3.shape[2]
+    out = jax.ShapeDtypeStruct((prod(lead), N), jnp.float32)
+    target = "jaxllm_bf16_out_in" if out_major else "jaxllm_bf16_in_out"
+    idx = jnp.asarray(0 if layer is None else layer, jnp.int32)
+    y = jax.ffi.ffi_call(target, out)(x.reshape(-1, K).astype(jnp.float32), w3, idx)
     return y.reshape(*lead, N)
