@@ -132,11 +132,13 @@ def check_compatible(meta: dict, path: str, tensor_parallel_size: int,
             f"again: {convert_command(meta, path, quantization=quantization)}")
     smoothed = (meta.get("smoothquant") or {}).get("alpha")
     if smoothquant_alpha is not None and smoothquant_alpha != smoothed:
-        held = "no SmoothQuant vectors" if smoothed is None else f"SmoothQuant vectors of alpha {smoothed:g}"
+        held = ("no SmoothQuant vectors" if smoothed is None
+                else f"SmoothQuant vectors of alpha {smoothed:g}")
+        again = convert_command(meta, path + "-sq", quantization="w8a8",
+                                smoothquant_alpha=smoothquant_alpha)
         raise ValueError(
             f"{path} holds {held} but smoothquant_alpha={smoothquant_alpha:g} was asked (smoothing "
-            f"is made when converting). Leave smoothquant_alpha unset, or convert again: "
-            f"{convert_command(meta, path + '-sq', quantization='w8a8', smoothquant_alpha=smoothquant_alpha)}")
+            f"is made when converting). Leave smoothquant_alpha unset, or convert again: {again}")
 
 
 def quant_spec(meta: dict, backend: str):
