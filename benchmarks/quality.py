@@ -11,6 +11,9 @@ continued --output-len tokens greedily, compared token by token with float32's.
 
 DIR holds float weights (../shared/tools/default-model-as-hf.py writes the default model's);
 `native` is --model as its checkpoint ships (the default model: its Q4_1 GGUF).
+`w8a8-smooth` is w8a8 with SmoothQuant at --smoothquant-alpha; `w8a8-smooth@A` at alpha A
+(several in one run). Its calibration text is the end of the same documentation, checked
+here to lie after the scored tokens.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ import numpy as np
 from benchmarks.common import write_result
 
 METHODS = {
-    # name: (model source, dtype, quantization, kv_cache_dtype)
+    # name: (model source, dtype, quantization, kv_cache_dtype); w8a8-smooth[@A] in method()
     "f32": ("hf", "float32", None, "auto"),
     "bf16": ("hf", "bfloat16", None, "auto"),
     "int8": ("hf", "float32", "int8", "auto"),
@@ -36,9 +39,22 @@ METHODS = {
 }
 
 
+SMOOTH = "w8a8-smooth"
+
+
+def method(name: str, default_alpha: float) -> tuple[tuple, float | None]:
+    """(METHODS entry, SmoothQuant alpha or None) of a method name."""
+    if name == SMOOTH or name.startswith(SMOOTH + "@"):
+        alpha = float(name.split("@", 1)[1]) if "@" in name else default_alpha
+        return ("hf", "float32", "w8a8", "auto"), alpha
+    if name not in METHODS:
+        raise ValueError(f"unknown method {name!r}; choose from {', '.join(METHODS)}, {SMOOTH}[@ALPHA]")
+    return METHODS[name], None
+
+
 def corpus_text() -> str:
-    from pydoc_data.topics import topics
-    return "\n\n".join(topics[k] for k in sorted(topics))
+    from jaxllm.quantization.smoothquant import corpus_text
+    return corpus_text()
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -50,6 +66,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--smoothquant-alpha", type=float, default=0.5, help="alpha of w8a8-smooth")
     p.add_argument("--results-dir", default="benchmarks/results")
     p.add_argument("--tag", default=None)
 
@@ -84,12 +101,16 @@ def run(args) -> None:
     from jaxllm.loader.loader import get_tokenizer
     from jaxllm.quantization import weight_bytes
 
+    from jaxllm.quantization import smoothquant
     methods = [m for m in args.methods.split(",") if m]
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown:
-        raise ValueError(f"unknown methods {unknown}; choose from {', '.join(METHODS)}")
+    for m in methods:
+        method(m, args.smoothquant_alpha)  # unknown names fail before any model loads
     tok = get_tokenizer(args.hf_model)
     ids = tok(corpus_text(), add_special_tokens=False)["input_ids"][:args.num_tokens]
+    _, calibration_start = smoothquant.calibration_text(8 * smoothquant.CALIBRATION_TOKENS)
+    if any(m.startswith(SMOOTH) for m in methods) and len(tok.decode(ids)) >= calibration_start:
+        raise ValueError(f"--num-tokens {args.num_tokens} reaches SmoothQuant's calibration text "
+                         f"(from character {calibration_start}); score fewer tokens")
     chunks = [ids[i:i + args.chunk] for i in range(0, len(ids) - 1, args.chunk)]
     rng = np.random.default_rng(0)
     starts = rng.integers(0, len(ids) - args.prompt_len, args.num_prompts)
@@ -97,19 +118,22 @@ def run(args) -> None:
     rows, ref = {}, None
     order = ["f32"] + [m for m in methods if m != "f32"]  # the reference first
     for name in order:
-        source, dtype, quant, kv = METHODS[name]
+        (source, dtype, quant, kv), alpha = method(name, args.smoothquant_alpha)
         model = args.hf_model if source == "hf" else args.model
         llm = LLM(model, dtype=dtype, quantization=quant, kv_cache_dtype=kv, max_model_len=1024,
-                  max_num_seqs=max(32, args.num_prompts), max_num_batched_tokens=1024, warmup=False)
+                  max_num_seqs=max(32, args.num_prompts), max_num_batched_tokens=1024, warmup=False,
+                  smoothquant_alpha=alpha)
         row = evaluate(llm, chunks, prompts, args.output_len)
         row["weight_mib"] = round(weight_bytes(llm.llm_engine.runner.state) / 2**20, 1)
         row.update(dtype=dtype, quantization=quant or ("as shipped" if source == "model" else None),
                    kv_cache_dtype=kv, model=model or "default")
+        if alpha is not None:
+            row["smoothquant"] = llm.llm_engine.smoothquant
         if ref is None:
             ref = row["greedy"]
         row["greedy_vs_f32"] = agreement(ref, row.pop("greedy"))
         rows[name] = row
-        print(f"{name:8s} ppl {row['perplexity']:.3f}  weights {row['weight_mib']:.1f} MiB  "
+        print(f"{name:14s} ppl {row['perplexity']:.3f}  weights {row['weight_mib']:.1f} MiB  "
               f"greedy vs f32 {row['greedy_vs_f32']['token_agreement']:.3f}", flush=True)
         del llm
     write_result(args, {"text": "pydoc_data.topics (CPython's language documentation), sorted topics",

@@ -16,6 +16,21 @@ def _quant_methods():
     return METHODS
 
 
+def _smoothquant_args(g) -> None:
+    g.add_argument("--smoothquant", action="store_true", default=None,
+                   help="with -q w8a8: SmoothQuant, calibrated on the float weights at load "
+                        "(alpha 0.5 unless --smoothquant-alpha says)")
+    g.add_argument("--smoothquant-alpha", type=float, default=None, metavar="ALPHA",
+                   help="SmoothQuant's migration strength in [0, 1] (implies --smoothquant)")
+
+
+def _smoothquant_alpha(args) -> float | None:
+    if args.smoothquant_alpha is not None:
+        return args.smoothquant_alpha
+    from jaxllm.quantization.smoothquant import DEFAULT_ALPHA
+    return DEFAULT_ALPHA if args.smoothquant else None
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None, help="HF directory or GGUF file (default: SmolLM2-135M-Instruct)")
@@ -25,6 +40,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     g.add_argument("--quantization", "-q", default=None, choices=list(_quant_methods()),
                    help="weight quantization (default: as the checkpoint ships it)")
+    _smoothquant_args(g)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--kv-cache-dtype", default=None, choices=["auto", "int8", "fp8", "fp8_e4m3"],
                    help="KV cache storage: auto (the activation dtype), or int8 / fp8 with a scale "
@@ -65,6 +81,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     kwargs = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
               if hasattr(args, f.name) and getattr(args, f.name) is not None}
+    if hasattr(args, "smoothquant"):
+        kwargs["smoothquant_alpha"] = _smoothquant_alpha(args)
     return EngineConfig(**kwargs)
 
 
@@ -152,10 +170,11 @@ def cmd_convert(args) -> int:
                   dtype=args.dtype, load_format=args.load_format, tensor_parallel_size=tp,
                   seed=args.seed)
     kwargs["quantization"] = args.quantization
+    kwargs["smoothquant_alpha"] = _smoothquant_alpha(args)
     config = EngineConfig(**kwargs)  # validates the values as the engine would
     from jaxllm.loader.orbax import convert
     out = convert(config.model, args.output, dtype=config.dtype,
-                  quantization=config.quantization,
+                  quantization=config.quantization, smoothquant_alpha=config.smoothquant_alpha,
                   tensor_parallel_size=config.tensor_parallel_size, load_format=config.load_format,
                   tokenizer=config.tokenizer, seed=config.seed)
     print(f"wrote {out}; run it with: jaxllm serve {out}"
@@ -213,6 +232,7 @@ def main(argv=None) -> int:
                         "casts to the engine's dtype when it differs)")
     p.add_argument("--quantization", "-q", default=None, choices=list(_quant_methods()),
                    help="weight quantization, as the engine's (default: as the checkpoint ships it)")
+    _smoothquant_args(p)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="devices the checkpoint's layout is for (restoring needs the same)")
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],

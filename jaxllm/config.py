@@ -26,6 +26,9 @@ class EngineConfig:
     load_format: str = "auto"
     # weight quantization (jaxllm.quantization); None: as the checkpoint ships
     quantization: str | None = None
+    # SmoothQuant for w8a8 (jaxllm.quantization.smoothquant): its migration strength alpha,
+    # calibrated at load; None: off
+    smoothquant_alpha: float | None = None
     seed: int = 0
     # KV cache
     kv_cache_dtype: str = "auto"         # or "int8" / "fp8": a scale per token and head
@@ -68,9 +71,10 @@ class EngineConfig:
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        from jaxllm.quantization import validate_method
+        from jaxllm.quantization import validate_method, validate_smoothquant
         from jaxllm.quantization.kv import validate_kv_dtype
         validate_method(self.quantization)
+        validate_smoothquant(self.smoothquant_alpha, self.quantization)
         validate_kv_dtype(self.kv_cache_dtype)
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")

@@ -103,11 +103,13 @@ class LLMEngine:
         load_start = time.perf_counter()
         loaded = load_model(config.model, self.policy, config.load_format, config.seed,
                             config.tokenizer, attention_backend=config.attention_backend,
-                            mesh=self.mesh, quantization=config.quantization)
+                            mesh=self.mesh, quantization=config.quantization,
+                            smoothquant_alpha=config.smoothquant_alpha)
         self.load_seconds = time.perf_counter() - load_start
         self.arch = loaded.arch
         self.tokenizer = loaded.tokenizer
         self.eos_token_id = loaded.eos_token_id
+        self.smoothquant = loaded.smoothquant  # how w8a8's smoothing was made, when it was
         model_max = loaded.arch.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > model_max:
             raise ValueError(f"max_model_len ({config.max_model_len}) is larger than the model's "

@@ -62,6 +62,7 @@ class LoadedModel:
     mesh: Any = None
     quant: Any = None  # jaxllm.quantization.QuantSpec of the quantized matrices, or None
     checkpoint_arch: ArchConfig | None = None  # before tensor-parallel padding (arch: after)
+    smoothquant: dict | None = None  # how SmoothQuant vectors were made (alpha, calibration)
 
 
 def _gguf_file(path: str) -> str | None:
@@ -234,7 +235,10 @@ def _quant_tp(weights: dict, cls, ckpt_arch, tp, quantized: list[str]) -> dict:
         matrix = specs[name].matrix
         back = {f: (np.swapaxes(done[f][name], -1, -2) if matrix == "in_out" else done[f][name])
                 for f in fields if name in done[f]}
-        out[name] = HostQuant(weights[name].kind, back["q"], back["scale"], back.get("offset"))
+        # a smoothing vector runs along the input, which no transform changes (padding the MLP,
+        # the one that would, is refused above)
+        out[name] = HostQuant(weights[name].kind, back["q"], back["scale"], back.get("offset"),
+                              weights[name].smooth)
     return out
 
 
@@ -275,14 +279,27 @@ def _check_shardable(specs: dict, mesh) -> None:
                                  "weights each device needs whole groups; choose another size)")
 
 
+def _float_model(cls, arch: ArchConfig, weights: dict, policy: DTypePolicy):
+    """(graphdef, state) of the float model holding host `weights` (checkpoint shapes) on the
+    first device: what SmoothQuant calibrates with."""
+    from jaxllm.parallel import make_mesh
+    graphdef, abstract_state, _ = abstract_model(arch, policy, "xla", make_mesh(1))
+    state = jax.tree_util.tree_map_with_path(
+        lambda p, leaf: jax.numpy.asarray(weights[_param_name(p)], leaf.dtype), abstract_state)
+    return graphdef, state
+
+
 def load_model(model: str | None, policy, load_format: str = "auto", seed: int = 0,
                tokenizer: str | None = None, attention_backend: str = "xla",
-               load_tokenizer: bool = True, mesh=None, quantization: str | None = None) -> LoadedModel:
+               load_tokenizer: bool = True, mesh=None, quantization: str | None = None,
+               smoothquant_alpha: float | None = None) -> LoadedModel:
     """Read a checkpoint (or make random weights with load_format="dummy") straight into the
     shards of `mesh` (default: a mesh of the first device). With tensor parallelism the
     model's shapes are padded / repeated per jaxllm.parallel.plan; each device receives only
     its slice of every tensor. `policy` is a DTypePolicy (or one dtype for everything);
-    `quantization` a method of jaxllm.quantization (None: as the checkpoint ships)."""
+    `quantization` a method of jaxllm.quantization (None: as the checkpoint ships);
+    `smoothquant_alpha` adds SmoothQuant to w8a8, calibrated on the float weights here
+    (jaxllm.quantization.smoothquant; random weights get unit vectors)."""
     from jaxllm.parallel import make_mesh, plan, platform_of, runtime_arch
 
     if not isinstance(policy, DTypePolicy):
@@ -303,11 +320,12 @@ def load_model(model: str | None, policy, load_format: str = "auto", seed: int =
         pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
         tok_future = pool.submit(_load_tokenizer, tokenizer or path, None if tokenizer else gguf_file)
         pool.shutdown(wait=False)
-    ckpt_arch, weights, tokenless = None, None, False
+    ckpt_arch, weights, tokenless, smoothquant = None, None, False, None
     if is_orbax:
         # the engine's own layout, restored into the mesh's shardings as it is
         meta = orbax.read_metadata(path)
-        orbax.check_compatible(meta, path, mesh.size, quantization)
+        orbax.check_compatible(meta, path, mesh.size, quantization, smoothquant_alpha)
+        smoothquant = meta.get("smoothquant")
         quant = orbax.quant_spec(meta, matmul_backend(mesh))
         if quant is not None and quant.backend == "cpu":
             from jaxllm.quantization import cpu
@@ -325,6 +343,7 @@ def load_model(model: str | None, policy, load_format: str = "auto", seed: int =
             cpu.prepare_async()  # the kernels build while the weights load
         read = _read_weights(path, gguf_file, dummy, policy, quantization)
         method = resolve_method(quantization, read.method, path)
+        qmethods.validate_smoothquant(smoothquant_alpha, method)
         if dummy and method in qmethods.CHECKPOINT_METHODS:
             if quantization is not None:
                 raise ValueError(f"load_format='dummy' cannot make {method} weights; use int4 or int8")
@@ -336,11 +355,23 @@ def load_model(model: str | None, policy, load_format: str = "auto", seed: int =
         layouts = {}
         if method in qmethods.ONLINE_METHODS:
             specs = cls.param_specs(ckpt_arch)
+            smooth_on = smoothquant_alpha is not None
             if dummy:
                 layouts = {n: lay for n, s in specs.items()
-                           if (lay := qmethods.online_layout(method, n, s)) is not None}
+                           if (lay := qmethods.online_layout(method, n, s, smooth_on)) is not None}
+                if smooth_on:  # random weights: unit vectors (the kernels' smoothing path, timed)
+                    smoothquant = {"alpha": smoothquant_alpha, "calibration": "none (dummy weights)"}
             else:
-                weights, layouts = qmethods.quantize_online(weights, specs, method)
+                smooth = None
+                if smooth_on:
+                    from jaxllm.quantization.smoothquant import smoothing
+                    tok_for = _calibration_tokenizer(tok_future, tokenizer or path,
+                                                     None if tokenizer else gguf_file)
+                    graphdef, state = _float_model(cls, ckpt_arch, weights, policy)
+                    smooth, smoothquant = smoothing(graphdef, state, ckpt_arch, specs, weights,
+                                                    tok_for, smoothquant_alpha)
+                    del graphdef, state
+                weights, layouts = qmethods.quantize_online(weights, specs, method, smooth)
         elif weights is not None:
             layouts = {n: qmethods.layout_of(h, read.act if cls.param_specs(ckpt_arch)[n].matrix == "in_out" else "none")
                        for n, h in weights.items() if isinstance(h, HostQuant)}
@@ -396,12 +427,22 @@ def load_model(model: str | None, policy, load_format: str = "auto", seed: int =
     logger.info("loaded %s (%d layers) from %s; dtype policy %s; weights %.1f MiB%s", arch.architecture,
                 arch.num_layers, path, policy.describe(), qmethods.weight_bytes(state) / 2**20,
                 "" if quant is None else f" ({describe_quant(quant)})")
-    return LoadedModel(path, arch, graphdef, state, tok, eos, mesh, quant, ckpt_arch)
+    return LoadedModel(path, arch, graphdef, state, tok, eos, mesh, quant, ckpt_arch, smoothquant)
+
+
+def _calibration_tokenizer(tok_future, path: str, gguf_file: str | None):
+    """The tokenizer SmoothQuant's calibration text needs: the one loading alongside, or read
+    now when the caller asked for none."""
+    try:
+        return tok_future.result() if tok_future is not None else _load_tokenizer(path, gguf_file)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"smoothquant_alpha: calibration needs the tokenizer of {path}: {e}") from e
 
 
 def describe_quant(quant: qmethods.QuantSpec) -> str:
     kinds = sorted({f"{lay.kind} g{lay.group}"
                     + ("" if lay.act == "none" else f" x {lay.act} activations")
+                    + (" (SmoothQuant)" if lay.smooth else "")
                     for _, lay in quant.layouts})
     return (f"quantization {quant.method}: {len(quant.layouts)} matrices as {', '.join(kinds)}; "
             + {"cpu": "CPU kernels", "pallas": "Pallas kernel"}.get(quant.backend, "XLA dots"))

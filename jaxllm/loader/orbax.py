@@ -87,24 +87,29 @@ def read_metadata(path: str) -> dict:
 
 
 def convert_command(meta: dict, path: str, tensor_parallel_size: int | None = None,
-                    quantization: str | None = None) -> str:
+                    quantization: str | None = None, smoothquant_alpha: float | None = None) -> str:
     """The command that writes this checkpoint again (for another layout when given)."""
     tp = tensor_parallel_size or meta.get("tensor_parallel_size", 1)
     quant = quantization if quantization is not None else meta.get("quantization")
+    if smoothquant_alpha is None and quant == meta.get("quantization"):
+        smoothquant_alpha = (meta.get("smoothquant") or {}).get("alpha")
     parts = ["jaxllm convert", meta.get("source") or "MODEL", path]
     if meta.get("dtype"):
         parts.append(f"--dtype {meta['dtype']}")
     if quant:
         parts.append(f"--quantization {quant}")
+    if smoothquant_alpha is not None and quant == "w8a8":
+        parts.append(f"--smoothquant-alpha {smoothquant_alpha:g}")
     if tp != 1 or tensor_parallel_size is not None:
         parts.append(f"--tensor-parallel-size {tp}")
     return " ".join(parts)
 
 
 def check_compatible(meta: dict, path: str, tensor_parallel_size: int,
-                     quantization: str | None = None) -> None:
+                     quantization: str | None = None, smoothquant_alpha: float | None = None) -> None:
     """Refuse a checkpoint whose layout this engine cannot run, saying how to convert again.
-    `quantization` None accepts the checkpoint's own."""
+    `quantization` None accepts the checkpoint's own, as does `smoothquant_alpha` None (the
+    smoothing is part of the stored weights: a checkpoint holds one alpha's or none)."""
     from jaxllm import __version__
     if meta["layout_version"] != LAYOUT_VERSION:
         raise ValueError(
@@ -125,6 +130,15 @@ def check_compatible(meta: dict, path: str, tensor_parallel_size: int,
             f"{path} holds {'unquantized' if stored is None else repr(stored)} weights but "
             f"quantization={quantization!r} was asked. Leave quantization unset, or convert "
             f"again: {convert_command(meta, path, quantization=quantization)}")
+    smoothed = (meta.get("smoothquant") or {}).get("alpha")
+    if smoothquant_alpha is not None and smoothquant_alpha != smoothed:
+        held = ("no SmoothQuant vectors" if smoothed is None
+                else f"SmoothQuant vectors of alpha {smoothed:g}")
+        again = convert_command(meta, path + "-sq", quantization="w8a8",
+                                smoothquant_alpha=smoothquant_alpha)
+        raise ValueError(
+            f"{path} holds {held} but smoothquant_alpha={smoothquant_alpha:g} was asked (smoothing "
+            f"is made when converting). Leave smoothquant_alpha unset, or convert again: {again}")
 
 
 def quant_spec(meta: dict, backend: str):
@@ -252,6 +266,8 @@ def save(loaded, out: str, *, dtype: str, source: str, load_format: str = "auto"
         "quantization": loaded.quant.method if loaded.quant is not None else None,
         "quant_layouts": ({n: dataclasses.asdict(lay) for n, lay in loaded.quant.layouts}
                           if loaded.quant is not None else None),
+        # SmoothQuant's alpha and calibration when the w8a8 matrices carry smoothing vectors
+        "smoothquant": loaded.smoothquant,
         "tensor_parallel_size": loaded.mesh.size,
         "tokenizer": loaded.tokenizer is not None,
         # the runtime architecture: shapes already padded / repeated for tensor_parallel_size
@@ -271,7 +287,7 @@ def save(loaded, out: str, *, dtype: str, source: str, load_format: str = "auto"
 
 def convert(model: str | None, out: str, dtype: str = "auto", quantization: str | None = None,
             tensor_parallel_size: int = 1, load_format: str = "auto", tokenizer: str | None = None,
-            seed: int = 0) -> str:
+            seed: int = 0, smoothquant_alpha: float | None = None) -> str:
     """Load `model` as the engine would with these settings and write it to `out`. The
     devices JAX sees must number at least tensor_parallel_size (the CLI gives itself that many
     CPU devices)."""
@@ -284,6 +300,6 @@ def convert(model: str | None, out: str, dtype: str = "auto", quantization: str 
     policy = resolve_policy(dtype, jax.default_backend(), tensor_parallel_size)  # as the engine's
     source = os.path.abspath(resolve_model_path(model))
     loaded = load_model(source, policy, load_format, seed, tokenizer, mesh=make_mesh(tensor_parallel_size),
-                        quantization=quantization)
+                        quantization=quantization, smoothquant_alpha=smoothquant_alpha)
     name = dtype if dtype != "auto" else np.dtype(policy.weight).name
     return save(loaded, out, dtype=name, source=source, load_format=load_format)

@@ -14,6 +14,8 @@ Left unset, a quantized checkpoint runs as shipped and a float one unquantized.
 int8 and int4 quantize every matrix, the embedding and LM head included (they are a fifth of a
 small model); w8a8 keeps those two weight-only int8 and fp8 keeps them in float, as logits are
 the most sensitive to activation quantization. Layouts are in formats.py.
+
+`smoothquant_alpha` (w8a8 only) adds SmoothQuant to w8a8's layer matrices: smoothquant.py.
 """
 from __future__ import annotations
 
@@ -33,6 +35,22 @@ INT4_GROUP = 128
 def validate_method(method: str | None) -> None:
     if method is not None and method not in METHODS:
         raise ValueError(f"quantization must be one of {', '.join(METHODS)}, got {method!r}")
+
+
+def validate_smoothquant(alpha, method: str | None) -> None:
+    """SmoothQuant's migration strength, given only with w8a8 (the one method that quantizes
+    activations to int8, whose outliers it eases)."""
+    if alpha is None:
+        return
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"smoothquant_alpha must be a number in [0, 1] (0.5 is SmoothQuant's "
+                         f"usual choice), got {alpha!r}")
+    if method != "w8a8":
+        hint = (" (a compressed-tensors W8A8 checkpoint made with SmoothQuant has it folded into "
+                "its norm weights already: load it without smoothquant_alpha)"
+                if method == "compressed-tensors" else "")
+        raise ValueError(f"smoothquant_alpha needs quantization='w8a8' (SmoothQuant eases int8 "
+                         f"activations), got quantization={method!r}{hint}")
 
 
 @dataclass(frozen=True)
@@ -115,8 +133,9 @@ def quantized_specs(specs: dict, quant: QuantSpec | None) -> dict:
     return out
 
 
-def online_layout(method: str, name: str, spec) -> QuantLayout | None:
-    """The layout `method` gives a float matrix parameter (None: it stays float)."""
+def online_layout(method: str, name: str, spec, smooth: bool = False) -> QuantLayout | None:
+    """The layout `method` gives a float matrix parameter (None: it stays float); `smooth`:
+    w8a8's activation-quantized matrices carry a SmoothQuant vector."""
     if spec.matrix is None:
         return None
     N, K = out_in(spec.shape, spec.matrix)
@@ -127,7 +146,9 @@ def online_layout(method: str, name: str, spec) -> QuantLayout | None:
         from jaxllm.quantization.formats import int4_group
         return QuantLayout("int4", int4_group(K, INT4_GROUP), offset=True, scale_dtype="float16")
     if method == "w8a8":
-        return QuantLayout("int8", K, scale_dtype="float16") if head else QuantLayout("int8", K, act="int8")
+        if head:
+            return QuantLayout("int8", K, scale_dtype="float16")
+        return QuantLayout("int8", K, smooth=smooth, act="int8")
     if method == "fp8":
         return None if head else QuantLayout("fp8", K, act="fp8")
     raise ValueError(f"{method!r} is not an online quantization method")
@@ -147,29 +168,37 @@ def to_out_in(w: np.ndarray, matrix: str) -> np.ndarray:
     return np.swapaxes(w, -1, -2) if matrix == "in_out" else w
 
 
-def quantize_online(weights: dict, specs: dict, method: str) -> tuple[dict, dict[str, QuantLayout]]:
+def quantize_online(weights: dict, specs: dict, method: str,
+                    smooth: dict[str, np.ndarray] | None = None) -> tuple[dict, dict[str, QuantLayout]]:
     """Float host weights -> the method's layouts, layer by layer (one float layer at a time
-    in extra memory)."""
+    in extra memory). `smooth`: SmoothQuant vectors ([(L,) K] per matrix name), by which
+    the weights' input columns are multiplied before quantization (smoothquant.py)."""
+    smooth = smooth or {}
     out, layouts = dict(weights), {}
     for name, spec in specs.items():
-        layout = online_layout(method, name, spec)
+        layout = online_layout(method, name, spec, name in smooth)
         if layout is None or name not in weights:
             continue
-        w = weights[name]
+        w, s = weights[name], smooth.get(name)
+
+        def one(m, s_m):
+            m = np.asarray(to_out_in(m, spec.matrix), np.float32)
+            h = quantize_host(np.ascontiguousarray(m if s_m is None else m * s_m), layout)
+            h.smooth = None if s_m is None else np.asarray(s_m, np.float32)
+            return h
         if w.ndim == 3:
-            parts = [quantize_host(np.ascontiguousarray(to_out_in(w[i], spec.matrix), np.float32), layout)
-                     for i in range(w.shape[0])]
-            out[name] = stack(parts)
+            out[name] = stack([one(w[i], None if s is None else s[i]) for i in range(w.shape[0])])
         else:
-            out[name] = quantize_host(np.ascontiguousarray(to_out_in(w, spec.matrix), np.float32), layout)
-        layouts[name] = layout_of(out[name], layout.act)
+            out[name] = one(w, s)
+        layouts[name] = layout_of(out[name], layout.act, s is not None)
     return out, layouts
 
 
 def stack(parts: list[HostQuant]) -> HostQuant:
     first = parts[0]
-    off = None if first.offset is None else np.stack([p.offset for p in parts])
-    return HostQuant(first.kind, np.stack([p.q for p in parts]), np.stack([p.scale for p in parts]), off)
+    opt = (lambda f: None if getattr(first, f) is None else np.stack([getattr(p, f) for p in parts]))
+    return HostQuant(first.kind, np.stack([p.q for p in parts]), np.stack([p.scale for p in parts]),
+                     opt("offset"), opt("smooth"))
 
 
 def weight_bytes(state) -> int:

@@ -32,11 +32,14 @@ class HostQuant:
     q: np.ndarray
     scale: np.ndarray
     offset: np.ndarray | None = None
+    # SmoothQuant [.., K]: the codes hold W * smooth (per input channel) and activations are
+    # divided by it at run time (jaxllm.quantization.smoothquant)
+    smooth: np.ndarray | None = None
 
     def compact(self) -> "HostQuant":
         """The same weights with float16 scales and offsets where that is exact."""
         scale, offset = compact_scales(self.scale, self.offset, self.kind != "fp8")
-        return HostQuant(self.kind, self.q, scale, offset)
+        return HostQuant(self.kind, self.q, scale, offset, self.smooth)
 
     @property
     def group(self) -> int:
@@ -55,17 +58,19 @@ class HostQuant:
         return unpack_int4(self.q) if self.kind == "int4" else self.q
 
     def dequantize(self) -> np.ndarray:
-        """W [.., N, K] in float32 (the reference the tests hold every path to)."""
+        """W [.., N, K] in float32 (the reference the tests hold every path to); a smoothed
+        matrix divided back by its smoothing vector."""
         c = self.codes().astype(np.float32)
         g = self.group
         w = c.reshape(*c.shape[:-1], -1, g) * self.scale.astype(np.float32)[..., None]
         if self.offset is not None:
             w = w + self.offset.astype(np.float32)[..., None]
-        return w.reshape(c.shape)
+        w = w.reshape(c.shape)
+        return w if self.smooth is None else w / self.smooth[..., None, :]
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in (self.q, self.scale, self.offset) if a is not None)
+        return sum(a.nbytes for a in (self.q, self.scale, self.offset, self.smooth) if a is not None)
 
 
 def compact_scales(scale, offset, allow_f16: bool = True):
