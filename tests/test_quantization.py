@@ -500,7 +500,7 @@ def test_smoothquant_convert_round_trip(outlier_hf, tmp_path, capsys):
     from jaxllm.loader import orbax as jo
     path, _ = outlier_hf
     out = str(tmp_path / "sq")
-    assert main(["convert", path, out, "-q", "w8a8", "--smoothquant-alpha", "0.6"]) == 0
+    assert main(["convert", path, out, "--dtype", "float32", "-q", "w8a8", "--smoothquant-alpha", "0.6"]) == 0
     meta = jo.read_metadata(out)
     assert meta["quantization"] == "w8a8" and meta["smoothquant"]["alpha"] == 0.6
     assert meta["quant_layouts"]["layers.w_down"]["smooth"] is True
