@@ -18,6 +18,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shapes", default="576x1536,1536x576,576x960",
                    help="KxN of the weights (the default model's gate_up half, down, fused qkv)")
     p.add_argument("--rows", default="1,2,4,8,16,32,64,256")
+    p.add_argument("--layers", type=int, default=0,
+                   help="time a stack of this many weights per call, as a decode step reads them "
+                        "(from memory, not the caches); 0: one matrix")
+    p.add_argument("--forms", default=None, help="names separated by semicolons (default: all)")
     p.add_argument("--results-dir", default=os.environ.get("OUT") or "benchmarks/results")
     p.add_argument("--tag", default=None)
 
@@ -30,7 +34,7 @@ def forms():
     kernel = {}
     if jax.default_backend() == "cpu" and cpu.available():
         # what the CPU bf16 policy runs: the weights widened in registers (quantization/cpu)
-        kernel["bf16 weights, jaxllm CPU kernel"] = (lambda x, w: cpu.dense_bf16(x, w), bf16)
+        kernel["bf16 weights, jaxllm CPU kernel"] = (cpu.dense_bf16, bf16)
     return {**kernel,
         # name: (fn(x, w), weight dtype)
         "f32": (lambda x, w: x @ w, f32),
@@ -46,11 +50,25 @@ def forms():
     }
 
 
+def over_layers(fn):
+    """fn(x, w) over a stack w [L, K, N] in a scan, as the model's layers run: XLA's forms get
+    each layer's slice, the kernel (which takes a layer index) reads it in place."""
+    import jax
+    import jax.numpy as jnp
+
+    def run(x, ws):
+        if fn.__name__ == "dense_bf16":
+            return jax.lax.scan(lambda i, _: (i + 1, fn(x, ws, i)), jnp.int32(0), None,
+                                length=ws.shape[0])[1]
+        return jax.lax.scan(lambda c, w: (c, fn(x, w)), 0, ws)[1]
+    return run
+
+
 def time_form(fn, x, w) -> float:
     import jax
     f = jax.jit(fn)
     f(x, w).block_until_ready()
-    flops = 2 * x.shape[0] * x.shape[1] * w.shape[1]
+    flops = 2 * x.shape[0] * x.shape[1] * w.shape[-1] * (w.shape[0] if w.ndim == 3 else 1)
     n = max(5, int(3e8 / flops))
     best = float("inf")
     for _ in range(3):
@@ -69,14 +87,20 @@ def run(args) -> int:
     table = {}
     for shape in args.shapes.split(","):
         K, N = (int(v) for v in shape.split("x"))
-        w32 = (rng.standard_normal((K, N)) * 0.02).astype(np.float32)
+        lead = (args.layers,) if args.layers else ()
+        w32 = (rng.standard_normal((*lead, K, N)) * 0.02).astype(np.float32)
         table[shape] = {}
+        wanted = args.forms.split(";") if args.forms else None
         for name, (fn, wdt) in forms().items():
-            w = (jnp.asarray(rng.integers(-127, 128, (K, N), np.int8)) if wdt == jnp.int8
+            if wanted and name not in wanted:
+                continue
+            fn = over_layers(fn) if args.layers else fn
+            w = (jnp.asarray(rng.integers(-127, 128, (*lead, K, N), np.int8)) if wdt == jnp.int8
                  else jnp.asarray(w32).astype(wdt))
             row = {M: round(time_form(fn, jnp.asarray(rng.standard_normal((M, K)), jnp.float32), w), 1)
                    for M in rows}
             table[shape][name] = row
             print(f"{shape:>10} {name:44s}" + " ".join(f"{row[M]:8.1f}" for M in rows), flush=True)
-    write_result(args, {"unit": "GFLOP/s (GOP/s for int8 x int8)", "rows": rows, "dots": table}, "dots")
+    write_result(args, {"unit": "GFLOP/s (GOP/s for int8 x int8)", "rows": rows, "layers": args.layers,
+                        "dots": table}, "dots")
     return 0

@@ -108,7 +108,7 @@ def test_preemption_gives_same_outputs(tiny_llama, tiny_llm):
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     big = token_ids(tiny_llm.generate(prompts, params, use_tqdm=False))
     # 16 usable blocks of 16 tokens hold 256 tokens; the 8 requests need 8 * 70
-    small = LLM(tiny_llama, num_gpu_blocks_override=17, **SMALL_ENGINE)
+    small = LLM(tiny_llama, dtype="float32", num_gpu_blocks_override=17, **SMALL_ENGINE)
     outs = small.generate(prompts, params, use_tqdm=False)
     assert token_ids(outs) == big
     assert small.llm_engine.num_preemptions > 0
@@ -122,7 +122,7 @@ def test_chunked_prefill_matches_one_shot(tiny_llama, tiny_llm):
     long_prompt = rng.integers(10, 40000, size=200).tolist()  # budget is 64 tokens a step
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     chunked = tiny_llm.generate([long_prompt], params, use_tqdm=False)
-    one_shot = LLM(tiny_llama, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=256)
+    one_shot = LLM(tiny_llama, dtype="float32", max_num_seqs=8, max_num_batched_tokens=256, max_model_len=256)
     assert token_ids(chunked) == token_ids(one_shot.generate([long_prompt], params, use_tqdm=False))
 
 

@@ -49,7 +49,7 @@ def test_greedy_identical_under_swap_recompute_and_no_preemption(tiny_llama, tin
     roomy = token_ids(tiny_llm.generate(prompts, params, use_tqdm=False))
     results = {}
     for mode in ("recompute", "swap"):
-        llm = LLM(tiny_llama, num_gpu_blocks_override=17, preemption_mode=mode, swap_space=0.01,
+        llm = LLM(tiny_llama, dtype="float32", num_gpu_blocks_override=17, preemption_mode=mode, swap_space=0.01,
                   enable_prefix_caching=False, **SMALL_ENGINE)
         results[mode] = token_ids(llm.generate(prompts, params, use_tqdm=False))
         sched = llm.llm_engine.scheduler

@@ -106,7 +106,7 @@ def test_engine_greedy_identical_with_either_backend(tiny_llama, tiny_llm):
     prompts = [shared + rng.integers(10, 40000, size=n).tolist() for n in (3, 30, 90)]
     prompts += [rng.integers(10, 40000, size=n).tolist() for n in (1, 17, 150)]
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    pallas = LLM(tiny_llama, attention_backend="pallas", **SMALL_ENGINE)
+    pallas = LLM(tiny_llama, dtype="float32", attention_backend="pallas", **SMALL_ENGINE)
     assert pallas.llm_engine.config.attention_backend == "pallas"
     got = [o.outputs[0].token_ids for o in pallas.generate(prompts, params, use_tqdm=False)]
     want = [o.outputs[0].token_ids for o in tiny_llm.generate(prompts, params, use_tqdm=False)]
