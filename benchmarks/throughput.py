@@ -225,6 +225,7 @@ def run(args) -> int:
                      "seed": args.workload_seed},
         "engine": {"model": config.model or "SmolLM2-135M-Instruct (default GGUF)",
                    "dtype": config.dtype, "dtype_policy": engine.policy.describe(),
+                   "quantization": config.quantization,
                    "max_num_seqs": config.max_num_seqs,
                    "max_num_batched_tokens": config.max_num_batched_tokens,
                    "max_model_len": config.max_model_len,

@@ -11,9 +11,10 @@ Chosen by measurement (`jaxllm bench dots`, benchmarks/results/dots_*.json). On 
 project's CPU (AMD Zen 4: AVX-512 with BF16 instructions, no AMX) XLA:CPU's f32 dot is the
 fastest of XLA's forms at every row count from 1 to 256: bf16 operands with f32 accumulation
 reach 0.3-0.8x of it, and a bf16 weight widened to f32 before XLA's dot is written out whole
-first (7x slower at one row). The CPU kernel `jaxllm_bf16_*` (quantization/cpu) widens bf16
-weights in registers instead, reading each layer's matrix in place: 2x the f32 dot at 1-4
-rows (decode reads half the bytes), 1.2-1.4x at 8-16, equal at 64-256. So on a CPU where the
+first (8x slower at one row). The CPU kernel `jaxllm_bf16_*` (quantization/cpu) widens bf16
+weights in registers instead, reading each layer's matrix in place: 1.9x the f32 dot at 1-4
+rows (decode reads half the bytes), 1.5x at 8, 1.2x at 16-64, equal at 256
+(dots_stack_2026-11-24_cpu.json). So on a CPU where the
 kernels build (one device), `auto` and `bfloat16` are `CPU_BF16_POLICY`: bf16 weights, f32
 element-wise work, f32 dots through the kernel. Elsewhere on a CPU (tensor parallelism, no
 compiler) `auto` is f32 and `bfloat16` the same policy on XLA's slower dots; bf16 element-wise

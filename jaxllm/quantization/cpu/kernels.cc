@@ -8,7 +8,7 @@
 //                   (optionally divided by a SmoothQuant vector first), int32 accumulation
 //   jaxllm_bf16_in_out / jaxllm_bf16_out_in
 //                   bf16 float weights, f32 activations and accumulation: XLA:CPU converts a
-//                   bf16 operand to f32 in memory before its dot (measured 7x slower than the
+//                   bf16 operand to f32 in memory before its dot (measured 8x slower than the
 //                   f32 dot at one row), so bf16 storage only pays through a kernel that
 //                   widens in registers. in_out: [L, K, N] (the layers' stacks), out_in: [N, K]
 //                   (a tied embedding table as the head).
