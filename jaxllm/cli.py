@@ -228,8 +228,9 @@ def main(argv=None) -> int:
                    help="HF directory, GGUF file, or `default` (SmolLM2-135M-Instruct)")
     p.add_argument("output", metavar="OUT", help="new directory for the checkpoint")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
-                   help="weights' dtype (auto: float32, the source's values exactly; restoring "
-                        "casts to the engine's dtype when it differs)")
+                   help="weights' dtype (auto: what the engine's auto runs here, bf16 on a GPU and "
+                        "on a one-device CPU with the kernels, else float32; restoring casts to "
+                        "the engine's dtype when it differs)")
     p.add_argument("--quantization", "-q", default=None, choices=list(_quant_methods()),
                    help="weight quantization, as the engine's (default: as the checkpoint ships it)")
     _smoothquant_args(p)
