@@ -145,12 +145,12 @@ def test_cpu_kernels_match_the_xla_path(case):
 @pytest.mark.parametrize("out_major", [False, True])
 def test_cpu_bf16_kernel_matches_numpy(out_major):
     """The CPU kernel for bf16 float weights (layers' stacks [L, K, N], a tied head [N, K])
-    against numpy on the same bf16 values widened: every tiling remainder of rows (M) and
-    columns (N = 16 * 9 + 5: whole tiles, single vectors, scalar columns)."""
+    against numpy on the same bf16 values widened: every tiling remainder of rows (M),
+    columns (N = 16 * 9 + 5: whole tiles, single vectors, scalar columns) and K."""
     from jaxllm.quantization import cpu
     if not cpu.available():
         pytest.fail("the CPU kernels did not build here (see the warning)")
-    K, N = 96, 16 * 9 + 5
+    K, N = 16 * 6 + 7, 16 * 9 + 5  # remainders in K too (a hidden size not a multiple of 16)
     w = jnp.asarray(RNG.standard_normal((3, N, K) if out_major else (3, K, N)), jnp.bfloat16)
     wf = np.asarray(w.astype(jnp.float32))
     f = jax.jit(lambda x, w, i: cpu.dense_bf16(x, w, i, out_major))

@@ -14,9 +14,9 @@ reach 0.3-0.8x of it, and a bf16 weight widened to f32 before XLA's dot is writt
 first (8x slower at one row). The CPU kernel `jaxllm_bf16_*` (quantization/cpu) widens bf16
 weights in registers instead, reading each layer's matrix in place: 1.9x the f32 dot at 1-4
 rows (decode reads half the bytes), 1.5x at 8, 1.2x at 16-64, equal at 256
-(dots_stack_2026-11-24_cpu.json). So on a CPU where the
-kernels build (one device), `auto` and `bfloat16` are `CPU_BF16_POLICY`: bf16 weights, f32
-element-wise work, f32 dots through the kernel. Elsewhere on a CPU (tensor parallelism, no
+(dots_stack_2026-11-24_cpu.json). So on a CPU where the kernels build (one device), `auto`
+and `bfloat16` are `CPU_BF16_POLICY`: bf16 weights, f32 element-wise work, f32 dots through
+the kernel. Elsewhere on a CPU (tensor parallelism, no
 compiler) `auto` is f32 and `bfloat16` the same policy on XLA's slower dots; bf16 element-wise
 work is never used on a CPU (XLA:CPU runs it far slower). On a GPU `auto` and `bfloat16` are
 bf16 throughout.
@@ -92,8 +92,8 @@ def linear(x: jax.Array, w, policy: DTypePolicy, bias: jax.Array | None = None,
            lora=None) -> jax.Array:
     """x[..., in] @ w (+ bias) in the policy's dtypes; returns `policy.activation`. w is a
     float [in, out] array, a DenseWeight (the CPU bf16 kernel) or a quantized weight
-    (jaxllm.quantization.qweight.QWeight, out-major, read by its own matmul). `lora(x, y)` (jaxllm.lora.ops) adds the adapters'
-    delta to the output."""
+    (jaxllm.quantization.qweight.QWeight, out-major, read by its own matmul). `lora(x, y)`
+    (jaxllm.lora.ops) adds the adapters' delta to the output."""
     from jaxllm.quantization.qweight import QWeight, matmul
     if isinstance(w, QWeight):
         y = matmul(x, w, policy)

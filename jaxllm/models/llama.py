@@ -206,8 +206,8 @@ class LlamaForCausalLM(nnx.Module):
         self.scan_layers = scan_layers
         self.quant = quant
         # bf16 float matrices on a CPU go through the kernel that widens them in registers
-        self.dense_kernel = (jnp.dtype(policy.weight) == jnp.bfloat16 and platform_of(mesh) == "cpu"
-                             and jnp.dtype(policy.dot) == jnp.float32 and matmul_backend(mesh) == "cpu")
+        self.dense_kernel = (jnp.dtype(policy.weight) == jnp.bfloat16 and jnp.dtype(policy.dot) == jnp.float32
+                             and matmul_backend(mesh) == "cpu")
         specs = self.param_specs(cfg)
         full = quantized_specs(specs, quant)
 
@@ -287,14 +287,14 @@ class LlamaForCausalLM(nnx.Module):
             weights = {k: DenseWeight(w) if not isinstance(w, QWeight) and w.ndim == 3 else w
                        for k, w in weights.items()}
         # quantized (and kernel-read) stacks are read in place at the layer's index
-        in_place = (QWeight, DenseWeight)
-        stacked = {k: w for k, w in weights.items() if not isinstance(w, in_place)}
-        quantized = {k: w for k, w in weights.items() if isinstance(w, in_place)}
+        kinds = (QWeight, DenseWeight)
+        stacked = {k: w for k, w in weights.items() if not isinstance(w, kinds)}
+        in_place = {k: w for k, w in weights.items() if isinstance(w, kinds)}
         if lora is not None:  # the adapters' stacked weights are scanned with the layers'
             stacked["lora"] = lora.weights
 
         def layer_of(carry, w):
-            return layer(carry, {**w, **{k: q.at(carry[2]) for k, q in quantized.items()}})
+            return layer(carry, {**w, **{k: q.at(carry[2]) for k, q in in_place.items()}})
 
         if self.scan_layers:
             (x, kv_cache, _), _ = jax.lax.scan(layer_of, (x, kv_cache, jnp.int32(0)), stacked)
@@ -302,7 +302,7 @@ class LlamaForCausalLM(nnx.Module):
             for i in range(cfg.num_layers):
                 (x, kv_cache, _), _ = layer((x, kv_cache, jnp.int32(i)),
                                             {**jax.tree.map(lambda a: a[i], stacked),
-                                             **{k: q.at(i) for k, q in quantized.items()}})
+                                             **{k: q.at(i) for k, q in in_place.items()}})
         return rms_norm(x, self.norm[...], eps), kv_cache
 
 

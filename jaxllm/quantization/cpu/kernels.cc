@@ -403,6 +403,13 @@ ffi::Error W8A8Smooth(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
 
 // ---- bf16 weights ----
 
+inline float bf16_to_float(uint16_t h) {
+  const uint32_t bits = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
 #if defined(__AVX512F__)
 
 inline __m512 bf16x16(const uint16_t* p) {
@@ -439,12 +446,7 @@ void bf16_io_cols(const uint16_t* w, const float* x, int64_t K, int64_t N, int64
   for (; n < n1; ++n)
     for (int i = 0; i < MR; ++i) {
       float s = 0;
-      for (int64_t k = 0; k < K; ++k) {
-        const uint32_t bits = uint32_t(w[k * N + n]) << 16;
-        float f;
-        std::memcpy(&f, &bits, 4);
-        s += x[i * K + k] * f;
-      }
+      for (int64_t k = 0; k < K; ++k) s += x[i * K + k] * bf16_to_float(w[k * N + n]);
       y[i * N + n] = s;
     }
 }
@@ -467,7 +469,8 @@ void bf16_oi_tile(const uint16_t* w, const float* x, int64_t K, int64_t n, float
   __m512 acc[NR][MR];
   for (int r = 0; r < NR; ++r)
     for (int i = 0; i < MR; ++i) acc[r][i] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 16) {
+  const int64_t K16 = K - K % 16;
+  for (int64_t k = 0; k < K16; k += 16) {
     __m512 xv[MR];
     for (int i = 0; i < MR; ++i) xv[i] = _mm512_loadu_ps(x + i * K + k);
     for (int r = 0; r < NR; ++r) {
@@ -476,7 +479,11 @@ void bf16_oi_tile(const uint16_t* w, const float* x, int64_t K, int64_t n, float
     }
   }
   for (int r = 0; r < NR; ++r)
-    for (int i = 0; i < MR; ++i) y[i * N + n + r] = _mm512_reduce_add_ps(acc[r][i]);
+    for (int i = 0; i < MR; ++i) {
+      float s = _mm512_reduce_add_ps(acc[r][i]);
+      for (int64_t k = K16; k < K; ++k) s += x[i * K + k] * bf16_to_float(w[(n + r) * K + k]);
+      y[i * N + n + r] = s;
+    }
 }
 
 template <int MR>
@@ -500,19 +507,12 @@ void bf16_out_in(const uint16_t* w, const float* x, int64_t M, int64_t K, int64_
 
 #else  // portable fallback
 
-inline float bf16_at(const uint16_t* w, int64_t i) {
-  const uint32_t bits = uint32_t(w[i]) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
 void bf16_in_out(const uint16_t* w, const float* x, int64_t M, int64_t K, int64_t N, int64_t n0,
                  int64_t n1, float* y) {
   for (int64_t m = 0; m < M; ++m)
     for (int64_t n = n0; n < n1; ++n) {
       float s = 0;
-      for (int64_t k = 0; k < K; ++k) s += x[m * K + k] * bf16_at(w, k * N + n);
+      for (int64_t k = 0; k < K; ++k) s += x[m * K + k] * bf16_to_float(w[k * N + n]);
       y[m * N + n] = s;
     }
 }
@@ -522,7 +522,7 @@ void bf16_out_in(const uint16_t* w, const float* x, int64_t M, int64_t K, int64_
   for (int64_t m = 0; m < M; ++m)
     for (int64_t n = n0; n < n1; ++n) {
       float s = 0;
-      for (int64_t k = 0; k < K; ++k) s += x[m * K + k] * bf16_at(w, n * K + k);
+      for (int64_t k = 0; k < K; ++k) s += x[m * K + k] * bf16_to_float(w[n * K + k]);
       y[m * N + n] = s;
     }
 }
@@ -537,7 +537,7 @@ ffi::Error Bf16Impl(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer
     return ffi::Error::InvalidArgument("bf16 matmul: x must be [M, K], w [L, *, *]");
   const int64_t M = xd[0], K = xd[1], L = wd[0];
   const int64_t N = in_out ? wd[2] : wd[1];
-  if ((in_out ? wd[1] : wd[2]) != K || (!in_out && K % 16))
+  if ((in_out ? wd[1] : wd[2]) != K)
     return ffi::Error::InvalidArgument("bf16 matmul: shapes do not match");
   const int64_t l = *layer.typed_data();
   if (auto e = check_layer(l, L); e.failure()) return e;
