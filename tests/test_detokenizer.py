@@ -32,6 +32,7 @@ def stream(tok, prompt_ids, ids, **kw):
     texts, hit = [], None
     for t in ids:
         hit = detok.update([t])
+        hit = hit and hit[0]
         texts.append(detok.get_text(finished=hit is not None))
         if hit is not None:
             break
@@ -146,3 +147,54 @@ def test_delta_outputs_send_each_character_once(bpe_tokenizer):
             toks += out.outputs[0].token_ids
     assert toks == ids and "".join(texts) == bpe_tokenizer.decode([1, 2] + ids)[len(bpe_tokenizer.decode([1, 2])):]
     assert not proc.parents  # the finished request is gone
+
+
+def test_stop_string_inside_a_multi_token_step(bpe_tokenizer):
+    """A step that emits several tokens (speculative decoding) and completes a stop string
+    with one of the first: the sequence ends at that token, as one token per step would end
+    it. The later tokens are not in the output's token ids, logprobs or cumulative logprob."""
+    from jaxllm.core.request import Request, RequestStatus
+    from jaxllm.engine.output_processor import OutputProcessor
+    from jaxllm.sampling_params import SamplingParams
+
+    ids = bpe_tokenizer.encode("one two three STOP four five six", add_special_tokens=False)
+    cut = next(i for i in range(1, len(ids) + 1)
+               if "STOP" in bpe_tokenizer.decode(ids[:i]))  # the token completing it
+    assert cut < len(ids) - 1
+
+    class LP:  # a sampled token's logprob as the runner reports it
+        def __init__(self, v):
+            self.logprob, self.rank, self.top_ids, self.top_logprobs = v, 1, [], []
+
+    def run(steps):
+        params = SamplingParams(max_tokens=50, stop=["STOP"], logprobs=0)
+        proc = OutputProcessor(bpe_tokenizer)
+        req = Request("r", [1, 2], params, eos_token_id=None, seed=0)
+        proc.add("r", None, [1, 2], params, [req], 0.0)
+
+        def stopped(r):
+            r.status = RequestStatus.FINISHED_STOPPED
+        pos, finals = 0, []
+        for k in steps:
+            new = ids[pos:pos + k]
+            for t in new:
+                req.append_output_token(t)
+            proc.update(req, new, [LP(-0.5 * (pos + j + 1)) for j in range(len(new))], 0.0, stopped)
+            pos += k
+            finals += [o for o in proc.make_outputs(["r"]) if o.finished]
+            if req.status.finished:
+                break
+        (out,) = finals
+        return out.outputs[0]
+
+    one = run([1] * len(ids))
+    # the stop string completes at the first, middle and last token of a 3-token step
+    for offset in (0, 1, 2):
+        first = cut - 1 - offset
+        if first < 0:
+            continue
+        several = run([1] * first + [3] + [1] * len(ids))
+        assert several.token_ids == one.token_ids == ids[:cut]
+        assert several.text == one.text and several.stop_reason == "STOP"
+        assert len(several.logprobs) == cut
+        assert several.cumulative_logprob == one.cumulative_logprob

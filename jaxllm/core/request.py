@@ -89,6 +89,12 @@ class Request:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
 
+    def drop_last_output_tokens(self, n: int) -> None:
+        """Take back the last n output tokens (a stop string ended the text before them)."""
+        if n > 0:
+            del self.output_token_ids[-n:]
+            del self.all_token_ids[-n:]
+
     @property
     def finish_reason(self) -> str | None:
         return FINISH_REASONS.get(self.status)

@@ -55,9 +55,11 @@ class IncrementalDetokenizer:
         self._read = len(self._window)
         return full[len(prefix):]
 
-    def update(self, new_token_ids: list[int]) -> str | None:
-        """Append tokens; returns the stop string matched, if any (text is then truncated)."""
-        for tok in new_token_ids:
+    def update(self, new_token_ids: list[int]) -> tuple[str, int] | None:
+        """Append tokens; returns the stop string matched, if any, and how many of the new
+        tokens it took to complete it (text is then truncated; a step that emitted several
+        tokens must drop the ones after)."""
+        for i, tok in enumerate(new_token_ids):
             text = self._next_text(tok)
             if text:
                 before = len(self.output_text)
@@ -65,7 +67,7 @@ class IncrementalDetokenizer:
                 hit = self._check_stop(before)
                 if hit is not None:
                     self.stopped = True
-                    return hit
+                    return hit, i + 1
         return None
 
     def visible_length(self, finished: bool) -> int:

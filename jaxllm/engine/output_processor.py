@@ -113,15 +113,19 @@ class OutputProcessor:
         """A sequence's new tokens; returns its parent's id. `finish_stopped(request)` ends a
         sequence whose text hit a stop string."""
         seq = self.seqs[request.request_id]
+        hit = seq.detok.update(new_tokens) if seq.detok is not None and new_tokens else None
+        if hit is not None:
+            # the tokens a multi-token step emitted after the one completing the stop string
+            # are not output: the sequence ends where one token at a time would have ended it
+            request.stop_reason, used = hit
+            request.drop_last_output_tokens(len(new_tokens) - used)
+            new_tokens = new_tokens[:used]
         for token, lp in zip(new_tokens, logprobs or ()):
             seq.cumulative_logprob += lp.logprob
             if seq.logprobs is not None:
                 seq.logprobs.append(self._position_logprobs(token, lp))
-        if seq.detok is not None and new_tokens:
-            hit = seq.detok.update(new_tokens)
-            if hit is not None:
-                request.stop_reason = hit
-                finish_stopped(request)
+        if hit is not None:
+            finish_stopped(request)
         m = self.parents[request.parent_id].metrics
         m.first_token_time = m.first_token_time or now
         m.last_token_time = now
