@@ -112,6 +112,8 @@ def test_checkpoint_packers_unpack_to_their_weights():
 CASES = {
     "int4 g64 float16 scales": lambda w: F.quantize_int4(w, 64).compact(),
     "int4 g64": lambda w: F.quantize_int4(w, 64),
+    "int4 g32 int8 blocks": lambda w: F.quantize_int4(w, 32),
+    "int4 g64 float16 scales int8 blocks": lambda w: F.quantize_int4(w, 64).compact(),
     "int8 per channel": lambda w: F.quantize_int8(w).compact(),
     "int8 g16 with offsets": lambda w: F.HostQuant("int8", F.quantize_int8(w, 16).q, F.quantize_int8(w, 16).scale,
                                                    RNG.standard_normal((*w.shape[:-1], w.shape[-1] // 16)).astype(np.float32)),
@@ -127,12 +129,13 @@ def test_cpu_kernels_match_the_xla_path(case):
     h = CASES.get(case, CASES["int8 per channel"])(w)
     assert h.scale.dtype == (np.float16 if "float16" in case or "per channel" in case or "w8a8" in case
                              else np.float32)
-    act = "int8" if case.startswith("w8a8") else "none"
+    act = "int8" if case.startswith("w8a8") else "int8_block" if "int8 blocks" in case else "none"
     smooth = jnp.asarray(RNG.uniform(0.5, 2.0, (3, 192)).astype(np.float32)) if "smooth" in case else None
     parts = [jnp.asarray(a) if a is not None else None for a in (h.q, h.scale, h.offset)]
     pol = uniform_policy(jnp.float32)
-    for M in (1, 3, 4, 9):
+    for M in (1, 3, 4, 5, 8, 9, 17):
         x = jnp.asarray(RNG.standard_normal((M, 192)).astype(np.float32))
+        x = x.at[0, 32:64].set(0.0)  # a block of zeros
         for layer in (0, 2):
             ref = np.asarray(jax.jit(lambda x, w: matmul_xla(x, w, pol))(
                 x, QWeight(*parts, smooth, jnp.int32(layer), act, "xla")))
@@ -140,6 +143,16 @@ def test_cpu_kernels_match_the_xla_path(case):
             assert rel(got, ref) < 1e-5, (case, M, layer)
             if act == "none":  # and both equal the dequantized matrix product
                 assert rel(ref, np.asarray(x) @ h.dequantize()[layer].T) < 1e-5
+            if act == "int8_block":  # ... of activations rounded to int8 per block of 32
+                assert rel(ref, int8_blocks(np.asarray(x)) @ h.dequantize()[layer].T) < 1e-5
+                assert rel(ref, np.asarray(x) @ h.dequantize()[layer].T) < 2e-2
+
+
+def int8_blocks(x: np.ndarray) -> np.ndarray:
+    b = x.reshape(x.shape[0], -1, 32).astype(np.float32)
+    d = np.abs(b).max(-1, keepdims=True) / np.float32(127)
+    d[d == 0] = 1
+    return (np.clip(np.rint(b / d), -127, 127) * d).reshape(x.shape)
 
 
 @pytest.mark.parametrize("out_major", [False, True])
@@ -240,6 +253,25 @@ def test_pallas_backend_in_the_model(tiny_hf, monkeypatch):
     monkeypatch.setenv("JAXLLM_QUANT_BACKEND", "xla")
     xla = load_model(path, jnp.float32, load_tokenizer=False, quantization="int4")
     assert rel(all_logits(kernel, IDS[:12]), all_logits(xla, IDS[:12])) < 1e-5
+
+
+def test_int4_with_int8_block_activations(tiny_hf, monkeypatch):
+    """JAXLLM_INT4_ACTIVATIONS=int8: 4-bit matrices in the CPU kernels multiply activations
+    rounded to int8 per block of 32 (the default keeps them float, exact to the dequantized
+    weights): the logits move, but stay near the float-activation ones."""
+    from jaxllm.quantization import QuantLayout, QuantSpec
+    path, _ = tiny_hf
+    exact = all_logits(load_model(path, jnp.float32, load_tokenizer=False, quantization="int4"), IDS)
+    monkeypatch.setenv("JAXLLM_INT4_ACTIVATIONS", "int8")
+    blocks = all_logits(load_model(path, jnp.float32, load_tokenizer=False, quantization="int4"), IDS)
+    assert 0 < rel(blocks, exact) < 0.05
+    # only where the kernel's blocks fit: groups of 32s, inputs of 64s, the CPU kernels
+    spec = QuantSpec("int4", (("a", QuantLayout("int4", 32, True)), ("b", QuantLayout("int4", 16, True))), "cpu")
+    assert (spec.act_of("a", 128), spec.act_of("a", 96), spec.act_of("b", 128)) == ("int8_block", "none", "none")
+    assert QuantSpec("int4", spec.layouts, "xla").act_of("a", 128) == "none"
+    monkeypatch.setenv("JAXLLM_INT4_ACTIVATIONS", "int4")
+    with pytest.raises(ValueError, match="JAXLLM_INT4_ACTIVATIONS"):
+        spec.act_of("a", 128)
 
 
 @pytest.mark.parametrize("method", ["w8a8", "fp8"])

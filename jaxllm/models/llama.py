@@ -23,7 +23,7 @@ from jaxllm.layers.rotary import apply_rope, rope_inv_freq, rope_mscale
 from jaxllm.models.arch import ArchConfig
 from jaxllm.models.base import ParamSpec, Target, WeightMap
 from jaxllm.parallel import platform_of
-from jaxllm.quantization import QuantSpec, matmul_backend, quantized_specs
+from jaxllm.quantization import QuantSpec, matmul_backend, out_in, quantized_specs
 from jaxllm.quantization.qweight import QWeight, embed_rows
 
 
@@ -216,7 +216,8 @@ class LlamaForCausalLM(nnx.Module):
             if layout is not None:  # a quantized matrix: its parts
                 parts = {k.rsplit(".", 1)[1]: nnx.Param(full[k].initial(rngs.params(), full[k].dtype_for(policy)))
                          for k in full if k.startswith(name + ".")}
-                return QParam(parts, layout.act, quant.backend)
+                K = out_in(specs[name].shape, specs[name].matrix)[1]
+                return QParam(parts, quant.act_of(name, K), quant.backend)
             return nnx.Param(specs[name].initial(rngs.params(), specs[name].dtype_for(policy)))
 
         self.embed_tokens = param("embed_tokens")

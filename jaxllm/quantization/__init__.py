@@ -78,6 +78,28 @@ class QuantSpec:
     def names(self) -> list[str]:
         return [n for n, _ in self.layouts]
 
+    def act_of(self, name: str, in_features: int) -> str:
+        """How a matrix's activations are quantized as it runs: its layout's, except that
+        4-bit weights in the CPU kernels may take int8 activations per block of 32, as
+        llama.cpp runs them (int4_activations)."""
+        layout = self.get(name)
+        if (layout.act == "none" and layout.kind == "int4" and self.backend == "cpu"
+                and int4_activations() == "int8" and layout.group % 32 == 0 and in_features % 64 == 0):
+            return "int8_block"
+        return layout.act
+
+
+def int4_activations() -> str:
+    """JAXLLM_INT4_ACTIVATIONS: "float" (the default: f32 activations, exact to the
+    dequantized weights) or "int8" (4-bit weights in the CPU kernels multiply activations
+    rounded to int8 per block of 32, with VNNI: faster at few rows, but a rounding step
+    turns float noise into a different int8, so outputs then depend on how requests were
+    batched, and greedy speculative decoding is no longer token-for-token exact)."""
+    v = os.environ.get("JAXLLM_INT4_ACTIVATIONS", "float")
+    if v not in ("int8", "float"):
+        raise ValueError(f"JAXLLM_INT4_ACTIVATIONS must be int8 or float, got {v!r}")
+    return v
+
 
 def layout_of(h: HostQuant, act: str = "none", smooth: bool = False) -> QuantLayout:
     return QuantLayout(h.kind, h.group, h.offset is not None, smooth, act, h.scale.dtype.name)

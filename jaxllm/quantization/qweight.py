@@ -36,7 +36,7 @@ class QWeight:
     offset: jax.Array | None = None   # f32 [.., N, K/G] (asymmetric formats)
     smooth: jax.Array | None = None   # f32 [.., K]: SmoothQuant divides activations by it
     layer: jax.Array | int | None = None  # index into the leading (layer) axis
-    act: str = field(default="none", metadata=dict(static=True))      # none | int8 | fp8
+    act: str = field(default="none", metadata=dict(static=True))      # none | int8 | fp8 | int8_block
     backend: str = field(default="xla", metadata=dict(static=True))   # xla | cpu | pallas
 
     @property
@@ -109,12 +109,24 @@ def quantize_activations(x: jax.Array, kind: str):
     return (x / s).astype(jnp.float8_e4m3fn), s
 
 
+def fake_quant_blocks(x: jax.Array) -> jax.Array:
+    """Activations through int8 per block of 32 along K and back (the "int8_block" form of
+    4-bit weights on a CPU, llama.cpp's Q8): what the CPU kernel multiplies the codes by."""
+    x = x.astype(jnp.float32)
+    b = x.reshape(*x.shape[:-1], x.shape[-1] // 32, 32)
+    amax = jnp.max(jnp.abs(b), axis=-1, keepdims=True)
+    d = jnp.where(amax > 0, amax / 127.0, 1.0)
+    return (jnp.clip(jnp.round(b / d), -127, 127) * d).reshape(x.shape)
+
+
 def matmul_xla(x: jax.Array, w: QWeight, policy) -> jax.Array:
     """x [.., K] @ W^T -> [.., N] in f32."""
     m = w.matrix()
     if m.smooth is not None:
         x = x / m.smooth
-    if m.act == "none":
+    if m.act == "int8_block":
+        x = fake_quant_blocks(x)
+    if m.act in ("none", "int8_block"):
         return _dot_t(x.astype(policy.dot), dequantize(m, policy.dot), policy.accum).astype(jnp.float32)
     if m.group != m.in_features or m.offset is not None:
         raise ValueError(f"{m.act} activations need symmetric per-channel weights")

@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 SOURCE = os.path.join(os.path.dirname(__file__), "kernels.cc")
 CACHE = os.environ.get("JAXLLM_KERNEL_CACHE_DIR", os.path.expanduser("~/.cache/jaxllm/kernels"))
 TARGETS = {"jaxllm_qmm": "JaxllmQmm", "jaxllm_qmm_sym": "JaxllmQmmSym",
+           "jaxllm_qmm_q8": "JaxllmQmmQ8", "jaxllm_qmm_q8_sym": "JaxllmQmmQ8Sym",
            "jaxllm_w8a8": "JaxllmW8A8", "jaxllm_w8a8_smooth": "JaxllmW8A8Smooth",
            "jaxllm_bf16_in_out": "JaxllmBf16InOut", "jaxllm_bf16_out_in": "JaxllmBf16OutIn"}
 
@@ -123,10 +124,12 @@ def matmul(x: jax.Array, w) -> jax.Array:
             y = jax.ffi.ffi_call("jaxllm_w8a8_smooth", out)(x2, q, scale, smooth, layer)
         else:
             y = jax.ffi.ffi_call("jaxllm_w8a8", out)(x2, q, scale, layer)
-    elif offset is not None:
-        y = jax.ffi.ffi_call("jaxllm_qmm", out)(x2, q, scale, offset, layer)
     else:
-        y = jax.ffi.ffi_call("jaxllm_qmm_sym", out)(x2, q, scale, layer)
+        name = "jaxllm_qmm_q8" if w.act == "int8_block" else "jaxllm_qmm"
+        if offset is not None:
+            y = jax.ffi.ffi_call(name, out)(x2, q, scale, offset, layer)
+        else:
+            y = jax.ffi.ffi_call(name + "_sym", out)(x2, q, scale, layer)
     return y.reshape(*lead, N)
 
 

@@ -27,7 +27,7 @@
 #include <thread>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -131,11 +131,17 @@ void tile(const QMat& w, const float* x, int64_t K, int64_t n, float* y, int64_t
   for (int r = 0; r < NR; ++r)
     for (int i = 0; i < MR; ++i) acc[r][i] = _mm512_setzero_ps();
   const int64_t ng = K / w.G;
+  // up to 4 activation rows stay in registers across the NR weight rows; more take the
+  // registers for accumulators and are read from the cache at each use (NR is then 1)
+  constexpr bool HOLD = MR <= 4;
+  static_assert(HOLD || NR == 1, "more than 4 activation rows: one weight row at a time");
   for (int64_t k = 0; k < K; k += 32) {
-    __m512 xa[MR], xb[MR];
-    for (int i = 0; i < MR; ++i) {
-      xa[i] = _mm512_loadu_ps(x + i * K + k);
-      xb[i] = _mm512_loadu_ps(x + i * K + k + 16);
+    __m512 xa[HOLD ? MR : 1], xb[HOLD ? MR : 1];
+    if constexpr (HOLD) {
+      for (int i = 0; i < MR; ++i) {
+        xa[i] = _mm512_loadu_ps(x + i * K + k);
+        xb[i] = _mm512_loadu_ps(x + i * K + k + 16);
+      }
     }
     const int64_t ga = k / w.G, gb = (k + 16) / w.G;
     for (int r = 0; r < NR; ++r) {
@@ -153,8 +159,13 @@ void tile(const QMat& w, const float* x, int64_t K, int64_t n, float* y, int64_t
         b = _mm512_mul_ps(b, sb);
       }
       for (int i = 0; i < MR; ++i) {
-        acc[r][i] = _mm512_fmadd_ps(a, xa[i], acc[r][i]);
-        acc[r][i] = _mm512_fmadd_ps(b, xb[i], acc[r][i]);
+        if constexpr (HOLD) {
+          acc[r][i] = _mm512_fmadd_ps(a, xa[i], acc[r][i]);
+          acc[r][i] = _mm512_fmadd_ps(b, xb[i], acc[r][i]);
+        } else {
+          acc[r][i] = _mm512_fmadd_ps(a, _mm512_loadu_ps(x + i * K + k), acc[r][i]);
+          acc[r][i] = _mm512_fmadd_ps(b, _mm512_loadu_ps(x + i * K + k + 16), acc[r][i]);
+        }
       }
     }
   }
@@ -165,7 +176,8 @@ void tile(const QMat& w, const float* x, int64_t K, int64_t n, float* y, int64_t
 template <int MR, bool ONE>
 void rows_g(const QMat& w, const float* x, int64_t n0, int64_t n1, float* y) {
   int64_t n = n0;
-  for (; n + 4 <= n1; n += 4) tile<4, MR, ONE>(w, x, w.K, n, y, w.N);
+  if constexpr (MR <= 4)
+    for (; n + 4 <= n1; n += 4) tile<4, MR, ONE>(w, x, w.K, n, y, w.N);
   for (; n < n1; ++n) tile<1, MR, ONE>(w, x, w.K, n, y, w.N);
 }
 
@@ -175,13 +187,25 @@ void rows_m(const QMat& w, const float* x, int64_t n0, int64_t n1, float* y) {
   else rows_g<MR, false>(w, x, n0, n1, y);
 }
 
+// Activation rows in passes of up to 8: each pass decodes every weight code once, so 5 rows
+// (a verification step of 4 proposals) cost one pass, not a pass of 4 and another of 1. A
+// pass of more than 4 rows reads them from the cache for each weight row: only as many as
+// fit in a core's L1 (measured: 8 rows of 1536 ran at 0.7x two passes of 4)
 void qmm_rows(const QMat& w, const float* x, int64_t M, int64_t n0, int64_t n1, float* y) {
-  int64_t m = 0;
-  for (; m + 4 <= M; m += 4) rows_m<4>(w, x + m * w.K, n0, n1, y + m * w.N);
-  switch (M - m) {
-    case 3: rows_m<3>(w, x + m * w.K, n0, n1, y + m * w.N); break;
-    case 2: rows_m<2>(w, x + m * w.K, n0, n1, y + m * w.N); break;
-    case 1: rows_m<1>(w, x + m * w.K, n0, n1, y + m * w.N); break;
+  const int64_t pass = 8 * w.K * 4 <= 24576 ? 8 : 5 * w.K * 4 <= 32768 ? 5 : 4;
+  for (int64_t m = 0; m < M; m += pass) {
+    const float* xm = x + m * w.K;
+    float* ym = y + m * w.N;
+    switch (std::min<int64_t>(M - m, pass)) {
+      case 8: rows_m<8>(w, xm, n0, n1, ym); break;
+      case 7: rows_m<7>(w, xm, n0, n1, ym); break;
+      case 6: rows_m<6>(w, xm, n0, n1, ym); break;
+      case 5: rows_m<5>(w, xm, n0, n1, ym); break;
+      case 4: rows_m<4>(w, xm, n0, n1, ym); break;
+      case 3: rows_m<3>(w, xm, n0, n1, ym); break;
+      case 2: rows_m<2>(w, xm, n0, n1, ym); break;
+      case 1: rows_m<1>(w, xm, n0, n1, ym); break;
+    }
   }
 }
 
@@ -213,6 +237,145 @@ void qmm_rows(const QMat& w, const float* x, int64_t M, int64_t n0, int64_t n1, 
 
 #endif
 
+// int4 codes x int8 activations (llama.cpp's Q4 x Q8 form): each block of 32 activations is
+// quantized to int8 with a scale of its own, so a VNNI instruction multiplies 64 codes by 64
+// activations, where the float path widens, scales and offsets every code first. The result
+// is the float product of the dequantized weights with the quantize-dequantized activations
+// (quantization.qweight.fake_quant_blocks does the same in XLA).
+struct Q8Act {
+  int64_t K = 0, pairs = 0, ng = 0;
+  std::vector<int8_t> q;    // [M, K]: per pair of blocks, in the order the codes unpack
+  std::vector<float> d;     // [M, pairs, 16]: each dot-product lane's block scale
+  std::vector<float> gsum;  // [M, ng]: the dequantized activations' sum per weight group
+};
+
+// 32 activations -> int8, round half to even, scale max|x| / 127 (1 for a zero block)
+void quantize_q8(const float* x, int64_t M, int64_t K, int64_t G, Q8Act& a) {
+  a.K = K;
+  a.pairs = K / 64;
+  a.ng = K / G;
+  a.q.resize(M * K);
+  a.d.resize(M * a.pairs * 16);
+  a.gsum.assign(M * a.ng, 0.0f);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t b = 0; b < K / 32; ++b) {
+      const float* xb = x + m * K + b * 32;
+      float amax = 0.0f;
+      for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(xb[j]));
+      const float d = amax > 0.0f ? amax / 127.0f : 1.0f;
+      const int64_t p = b / 2, h = b % 2;
+      // a byte's low nibbles come first (codes 0-15 of each block), then its high ones
+      int8_t* qp = a.q.data() + m * K + p * 64 + h * 16;
+      int32_t sum = 0;
+#if defined(__AVX512F__)
+      const __m512 dv = _mm512_set1_ps(d);  // |x / d| <= 127: the conversion rounds to even
+      const __m512i lo = _mm512_cvtps_epi32(_mm512_div_ps(_mm512_loadu_ps(xb), dv));
+      const __m512i hi = _mm512_cvtps_epi32(_mm512_div_ps(_mm512_loadu_ps(xb + 16), dv));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qp), _mm512_cvtsepi32_epi8(lo));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qp + 32), _mm512_cvtsepi32_epi8(hi));
+      sum = _mm512_reduce_add_epi32(_mm512_add_epi32(lo, hi));
+#else
+      for (int j = 0; j < 32; ++j) {
+        const int32_t v = static_cast<int32_t>(
+            std::min(127.0f, std::max(-127.0f, std::nearbyint(xb[j] / d))));
+        sum += v;
+        qp[(j < 16 ? 0 : 32) + (j % 16)] = static_cast<int8_t>(v);
+      }
+#endif
+      float* dp = a.d.data() + (m * a.pairs + p) * 16;
+      for (int l = 0; l < 4; ++l) dp[h * 4 + l] = dp[8 + h * 4 + l] = d;
+      a.gsum[m * a.ng + b * 32 / G] += d * static_cast<float>(sum);
+    }
+  }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+
+// one weight row by MR activation rows
+template <int MR>
+void q8_row(const QMat& w, const Q8Act& a, int64_t m0, int64_t n, float* y) {
+  __m512 acc[MR];
+  for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
+  const uint8_t* codes = static_cast<const uint8_t*>(w.q) + n * (w.K / 2);
+  const int64_t ng = a.ng, K = a.K;
+  const __m256i m15 = _mm256_set1_epi8(15);
+  for (int64_t p = 0; p < a.pairs; ++p) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + p * 32));
+    const __m512i u = _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_and_si256(v, m15)),
+        _mm256_and_si256(_mm256_srli_epi16(v, 4), m15), 1);
+    // lanes 0-3 and 8-11 hold the first block's products, 4-7 and 12-15 the second's
+    const int64_t g0 = (p * 64) / w.G, g1 = (p * 64 + 32) / w.G;
+    const __m512 s0 = _mm512_set1_ps(w.scale[n * ng + g0]);
+    const __m512 sw = g0 == g1 ? s0 : _mm512_mask_blend_ps(0xF0F0, s0, _mm512_set1_ps(w.scale[n * ng + g1]));
+    for (int i = 0; i < MR; ++i) {
+      const int64_t m = m0 + i;
+      const __m512i xq = _mm512_loadu_si512(a.q.data() + m * K + p * 64);
+      const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u, xq));
+      const __m512 dv = _mm512_loadu_ps(a.d.data() + (m * a.pairs + p) * 16);
+      acc[i] = _mm512_fmadd_ps(dot, _mm512_mul_ps(sw, dv), acc[i]);
+    }
+  }
+  if (w.offset) {  // sum_k offset(k) x(k), by groups
+    for (int64_t g = 0; g < ng; g += 16) {
+      const __mmask16 mask = ng - g >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (ng - g)) - 1);
+      const void* op = w.offset.f16 ? static_cast<const void*>(static_cast<const uint16_t*>(w.offset.p) + n * ng + g)
+                                    : static_cast<const void*>(static_cast<const float*>(w.offset.p) + n * ng + g);
+      const __m512 o = w.offset.f16 ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, op))
+                                    : _mm512_maskz_loadu_ps(mask, op);
+      for (int i = 0; i < MR; ++i)
+        acc[i] = _mm512_fmadd_ps(o, _mm512_maskz_loadu_ps(mask, a.gsum.data() + (m0 + i) * ng + g), acc[i]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) y[(m0 + i) * w.N + n] = _mm512_reduce_add_ps(acc[i]);
+}
+
+template <int MR>
+void q8_rows_m(const QMat& w, const Q8Act& a, int64_t m0, int64_t n0, int64_t n1, float* y) {
+  for (int64_t n = n0; n < n1; ++n) q8_row<MR>(w, a, m0, n, y);
+}
+
+void q8_rows(const QMat& w, const Q8Act& a, int64_t M, int64_t n0, int64_t n1, float* y) {
+  for (int64_t m = 0; m < M; m += 8) {
+    switch (std::min<int64_t>(M - m, 8)) {
+      case 8: q8_rows_m<8>(w, a, m, n0, n1, y); break;
+      case 7: q8_rows_m<7>(w, a, m, n0, n1, y); break;
+      case 6: q8_rows_m<6>(w, a, m, n0, n1, y); break;
+      case 5: q8_rows_m<5>(w, a, m, n0, n1, y); break;
+      case 4: q8_rows_m<4>(w, a, m, n0, n1, y); break;
+      case 3: q8_rows_m<3>(w, a, m, n0, n1, y); break;
+      case 2: q8_rows_m<2>(w, a, m, n0, n1, y); break;
+      case 1: q8_rows_m<1>(w, a, m, n0, n1, y); break;
+    }
+  }
+}
+
+#else  // portable fallback: the same integer products
+
+void q8_rows(const QMat& w, const Q8Act& a, int64_t M, int64_t n0, int64_t n1, float* y) {
+  const uint8_t* all = static_cast<const uint8_t*>(w.q);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* codes = all + n * (w.K / 2);
+      float s = 0.0f;
+      for (int64_t p = 0; p < a.pairs; ++p)
+        for (int h = 0; h < 2; ++h) {
+          int32_t dot = 0;
+          for (int j = 0; j < 32; ++j) {
+            const uint8_t byte = codes[p * 32 + h * 16 + (j % 16)];
+            dot += (j < 16 ? byte & 15 : byte >> 4) * a.q[m * a.K + p * 64 + (j < 16 ? 0 : 32) + h * 16 + (j % 16)];
+          }
+          const int64_t g = (p * 64 + h * 32) / w.G;
+          s += static_cast<float>(dot) * w.scale[n * a.ng + g] * a.d[(m * a.pairs + p) * 16 + h * 4];
+        }
+      if (w.offset)
+        for (int64_t g = 0; g < a.ng; ++g) s += w.offset[n * a.ng + g] * a.gsum[m * a.ng + g];
+      y[m * w.N + n] = s;
+    }
+}
+
+#endif
+
 ffi::Error check_layer(int64_t layer, int64_t L) {
   if (layer < 0 || layer >= L) return ffi::Error::InvalidArgument("layer index out of range");
   return ffi::Error::Success();
@@ -232,7 +395,7 @@ Scales scales_at(const ffi::AnyBuffer& b, bool f16, int64_t offset_elems) {
 
 ffi::Error QmmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q,
                    ffi::AnyBuffer scale, std::optional<ffi::AnyBuffer> offset,
-                   ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+                   ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y, bool q8 = false) {
   auto xd = x.dimensions(), qd = q.dimensions(), sd = scale.dimensions();
   if (xd.size() != 2 || qd.size() != 3 || sd.size() != 3)
     return ffi::Error::InvalidArgument("qmm: x must be [M, K], q and scale [L, N, *]");
@@ -258,8 +421,28 @@ ffi::Error QmmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer
   if (offset) w.offset = scales_at(*offset, f16, l * N * sd[2]);
   const float* xp = x.typed_data();
   float* yp = y->typed_data();
+  if (q8) {
+    if (!int4 || K % 64 || w.G % 32)
+      return ffi::Error::InvalidArgument("qmm_q8: int4 codes, K a multiple of 64 and groups of 32s");
+    auto act = std::make_shared<Q8Act>();
+    quantize_q8(xp, M, K, w.G, *act);
+    parallel_rows(pool, N, 64, [=](int64_t n0, int64_t n1) { q8_rows(w, *act, M, n0, n1, yp); });
+    return ffi::Error::Success();
+  }
   parallel_rows(pool, N, 64, [=](int64_t n0, int64_t n1) { qmm_rows(w, xp, M, n0, n1, yp); });
   return ffi::Error::Success();
+}
+
+ffi::Error QmmQ8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q,
+                 ffi::AnyBuffer scale, ffi::AnyBuffer offset,
+                 ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+  return QmmImpl(pool, x, q, scale, offset, layer, y, true);
+}
+
+ffi::Error QmmQ8Sym(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q,
+                    ffi::AnyBuffer scale, ffi::Buffer<ffi::S32> layer,
+                    ffi::ResultBuffer<ffi::F32> y) {
+  return QmmImpl(pool, x, q, scale, std::nullopt, layer, y, true);
 }
 
 ffi::Error QmmOffset(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q,
@@ -576,6 +759,25 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmQmm, QmmOffset,
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmQmmSym, QmmSym,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmQmmQ8, QmmQ8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmQmmQ8Sym, QmmQ8Sym,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
