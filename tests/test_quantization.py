@@ -319,6 +319,22 @@ def test_gguf_files_run_quantized(tmp_path, default_gguf, qtype):
     assert rel(all_logits(loaded, IDS), hf_logits(ref, IDS)) < 1e-4
 
 
+def test_open_gguf_reads_what_gguf_reads(default_gguf):
+    """The loader's reader (plain-array slicing of the mapping) against the gguf package's
+    own: every metadata value and every tensor's bytes, shape and type."""
+    import gguf
+
+    from jaxllm.loader.gguf_loader import open_gguf
+    ours, theirs = open_gguf(default_gguf), gguf.GGUFReader(default_gguf)
+    assert list(ours.fields) == list(theirs.fields)
+    for key, field in theirs.fields.items():
+        assert ours.fields[key].contents() == field.contents(), key
+    assert len(ours.tensors) == len(theirs.tensors) > 0
+    for a, b in zip(ours.tensors, theirs.tensors):
+        assert (a.name, a.tensor_type, list(a.shape)) == (b.name, b.tensor_type, list(b.shape))
+        assert np.array_equal(np.asarray(a.data), np.asarray(b.data)), a.name
+
+
 def test_default_model_runs_its_q4_1_weights(default_gguf):
     """The default model keeps its Q4_1 layers (int4, groups of 32, scale and offset) and its
     Q8_0 embedding; its logits equal the dequantized model's."""

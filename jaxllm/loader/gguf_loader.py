@@ -12,6 +12,25 @@ from jaxllm.models.arch import ArchConfig
 
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
 
+def open_gguf(path: str):
+    """A gguf.GGUFReader over `path`, reading its header through a plain array view of the
+    file's mapping. The reader slices the mapping once or twice per value, and a vocabulary
+    is ~100k values: slicing np.memmap itself costs its bookkeeping every time (measured 4.3 s
+    against 1.4 s for the default model's header). The values and tensors are the same."""
+    import gguf
+
+    class _Reader(gguf.GGUFReader):
+        def _get(self, offset, dtype, count=1, override_order=None):
+            plain = self.__dict__.get("_plain")
+            if plain is None:
+                plain = self._plain = self.data.view(np.ndarray)
+            dt, count = np.dtype(dtype), int(count)
+            arr = plain[offset:offset + dt.itemsize * count].view(dt)[:count]
+            return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None
+                                                   else override_order))
+    return _Reader(path)
+
+
 def _field(reader, key, default=None):
     f = reader.fields.get(key)
     if f is None:

@@ -153,5 +153,5 @@ def tokenizer_from_gguf_metadata(meta: dict):
 
 
 def gguf_tokenizer(path: str):
-    import gguf
-    return tokenizer_from_gguf_metadata(read_tokenizer_metadata(gguf.GGUFReader(path)))
+    from jaxllm.loader.gguf_loader import open_gguf
+    return tokenizer_from_gguf_metadata(read_tokenizer_metadata(open_gguf(path)))

@@ -146,9 +146,8 @@ def _read_weights(path: str, gguf_file: str | None, cfg_only: bool, policy: DTyp
     matrices stay quantized unless quantization is "none"."""
     keep = quantization != "none"
     if gguf_file:
-        import gguf
-        from jaxllm.loader.gguf_loader import gguf_arch_config, is_quantized, load_gguf_weights
-        reader = gguf.GGUFReader(gguf_file)
+        from jaxllm.loader.gguf_loader import gguf_arch_config, is_quantized, load_gguf_weights, open_gguf
+        reader = open_gguf(gguf_file)
         cls = model_class_for_gguf(str(reader.fields["general.architecture"].contents()))
         arch = gguf_arch_config(reader, cls)
         method = "gguf" if is_quantized(reader) else None
