@@ -26,9 +26,15 @@ def machine() -> str:
             f"{dev.platform} ({dev.device_kind})")
 
 
+# environment settings that change what runs (not where caches live)
+RESULT_ENV = ("JAXLLM_CPU_KERNELS", "JAXLLM_INT4_ACTIVATIONS", "JAXLLM_QUANT_BACKEND")
+
+
 def command_line(args=None) -> str:
+    """The command as typed, after the settings of RESULT_ENV it ran with."""
     argv = getattr(args, "argv", None)
-    return "jaxllm " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    env = [f"{k}={shlex.quote(os.environ[k])}" for k in RESULT_ENV if k in os.environ]
+    return " ".join(env + ["jaxllm"] + [shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])])
 
 
 def write_result(args, result: dict, kind: str) -> str:
