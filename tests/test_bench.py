@@ -22,7 +22,7 @@ def test_throughput_random_with_hf_baseline(tiny_llama, tmp_path):
     run_cli("bench", "throughput", "--model", tiny_llama, *ENGINE, "--num-prompts", "6",
             "--input-len", "20", "--output-len", "8", "--results-dir", str(tmp_path), "--tag", "t")
     r = read_json(tmp_path / "t.json")
-    assert r["command"].startswith("jaxllm bench throughput") and r["machine"] and r["date"]
+    assert "jaxllm bench throughput" in r["command"] and r["machine"] and r["date"]
     j, hf = r["jaxllm"], r["hf_transformers"]
     assert j["requests"] == 6 and j["output_tokens"] == 48 and hf["output_tokens"] == 48
     assert r["ratio_vs_hf"] == pytest.approx(j["output_tokens_per_s"] / hf["output_tokens_per_s"])

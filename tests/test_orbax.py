@@ -275,7 +275,7 @@ def test_bench_startup_reports_source_and_orbax(tiny_llama, tmp_path):
                  "--load-runs", "1", "--results-dir", str(tmp_path), "--tag", "s"]) == 0
     with open(tmp_path / "s.json") as f:
         r = json.load(f)
-    assert r["command"].startswith("jaxllm bench startup") and r["convert_s"] > 0
+    assert "jaxllm bench startup" in r["command"] and r["convert_s"] > 0
     shapes = {r["starts"][fmt][kind]["step_shapes"] if kind == "cold" else
               r["starts"][fmt][kind][0]["step_shapes"] for fmt in ("source", "orbax") for kind in ("cold", "warm")}
     assert len(shapes) == 1 and shapes.pop() >= 1  # the same engine from either checkpoint

@@ -270,8 +270,9 @@ def test_int4_with_int8_block_activations(tiny_hf, monkeypatch):
     assert (spec.act_of("a", 128), spec.act_of("a", 96), spec.act_of("b", 128)) == ("int8_block", "none", "none")
     assert QuantSpec("int4", spec.layouts, "xla").act_of("a", 128) == "none"
     monkeypatch.setenv("JAXLLM_INT4_ACTIVATIONS", "int4")
-    with pytest.raises(ValueError, match="JAXLLM_INT4_ACTIVATIONS"):
-        spec.act_of("a", 128)
+    for backend in ("cpu", "xla"):  # refused wherever it is read, not only where it applies
+        with pytest.raises(ValueError, match="JAXLLM_INT4_ACTIVATIONS"):
+            QuantSpec("int4", spec.layouts, backend).act_of("a", 128)
 
 
 @pytest.mark.parametrize("method", ["w8a8", "fp8"])

@@ -82,9 +82,9 @@ class QuantSpec:
         """How a matrix's activations are quantized as it runs: its layout's, except that
         4-bit weights in the CPU kernels may take int8 activations per block of 32, as
         llama.cpp runs them (int4_activations)."""
-        layout = self.get(name)
+        layout, setting = self.get(name), int4_activations()  # a bad setting fails everywhere
         if (layout.act == "none" and layout.kind == "int4" and self.backend == "cpu"
-                and int4_activations() == "int8" and layout.group % 32 == 0 and in_features % 64 == 0):
+                and setting == "int8" and layout.group % 32 == 0 and in_features % 64 == 0):
             return "int8_block"
         return layout.act
 
