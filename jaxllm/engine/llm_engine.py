@@ -21,6 +21,7 @@ from jaxllm.layers.linear import resolve_policy
 from jaxllm.loader import load_model
 from jaxllm.parallel import make_mesh
 from jaxllm.parallel import multiprocess as mp
+from jaxllm.runner import executable_cache
 from jaxllm.runner.model_runner import InFlight, ModelRunner, kv_bytes_per_block
 from jaxllm.core.scheduler import SchedulerOutput
 from jaxllm.sampling_params import SamplingParams
@@ -32,6 +33,7 @@ DEFAULT_CPU_KV_BYTES = 1 << 30
 
 
 def setup_compilation_cache(cache_dir: str | None) -> None:
+    executable_cache.configure(cache_dir)
     if not cache_dir:
         return
     jax.config.update("jax_compilation_cache_dir", cache_dir)

@@ -19,6 +19,7 @@ import numpy as np
 
 from jaxllm.lora.peft import Adapter, LoRALayout
 from jaxllm.parallel import sharding
+from jaxllm.runner import executable_cache
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ class LoRASlots:
         abstract = jax.tree.map(lambda x: sds(x.shape, x.dtype, sharding=x.sharding), self.weights)
         new = jax.tree.map(lambda x: sds(x.shape, x.dtype), {
             name: {"A": a, "B": tuple(bs)} for name, (a, bs) in self._zeros.items()})
-        self._writer = self._writer.lower(abstract, sds((), jnp.int32), new).compile()
+        self._writer = executable_cache.compile(self._writer, abstract, sds((), jnp.int32), new)
 
     def activate(self, keys) -> tuple[dict[int, int], dict[int, str]]:
         """Make the adapters `keys` (this step's, at most max_loras) resident. Returns

@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxllm.runner import executable_cache
+
 GROUP = 16  # blocks per gather / scatter call
 
 
@@ -65,10 +67,10 @@ class BlockOps:
         vals = jax.tree.unflatten(self._treedef, [
             jax.ShapeDtypeStruct((GROUP, *x.shape[:3], self.block_size, *x.shape[4:]), x.dtype, sharding=rep)
             for x in self._leaves])
-        self._copy = self._copy.lower(cache, idx, idx).compile()
+        self._copy = executable_cache.compile(self._copy, cache, idx, idx)
         if self.host is not None:
-            self._gather = self._gather.lower(cache, idx).compile()
-            self._scatter = self._scatter.lower(cache, idx, vals).compile()
+            self._gather = executable_cache.compile(self._gather, cache, idx)
+            self._scatter = executable_cache.compile(self._scatter, cache, idx, vals)
 
     def _groups(self, pairs, pad_src: int, pad_dst: int):
         for i in range(0, len(pairs), GROUP):

@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 from jaxllm.core.block_pool import NULL_BLOCK
 from jaxllm.core.kv_cache_manager import cdiv
 from jaxllm.core.scheduler import SchedulerOutput
+from jaxllm.runner import executable_cache
 from jaxllm.layers.attention import AttentionMetadata, kv_chunk, max_tiles, q_tile_size
 from jaxllm.lora.ops import LoRAInputs
 from jaxllm.models import get_model_class
@@ -366,11 +367,11 @@ class ModelRunner:
     def _compile(self, T: int, S: int):
         adapters = () if self.lora is None else (
             (self._abstract(self.lora.weights), jax.ShapeDtypeStruct((T,), jnp.int32)),)
-        return self._forward.lower(self._abstract(self.state), self._abstract(self.kv_cache),
-                                   self._abstract(self.sampler_state),
-                                   *self._abstract_inputs(T, S),
-                                   *self._abstract(self._extra_state()), *adapters).compile(
-            step_compiler_options(platform_of(self.mesh)))
+        return executable_cache.compile(
+            self._forward, self._abstract(self.state), self._abstract(self.kv_cache),
+            self._abstract(self.sampler_state), *self._abstract_inputs(T, S),
+            *self._abstract(self._extra_state()), *adapters,
+            options=step_compiler_options(platform_of(self.mesh)))
 
     def sample_key(self, T: int, S: int):
         """Which compiled sampling a (T, S) step uses: one per seqs bucket, and with
@@ -386,8 +387,8 @@ class ModelRunner:
             sds = jax.ShapeDtypeStruct
             extra = (sds((R, self.vocab), jnp.float32), sds((R,), jnp.int32),
                      abstract_verify_metadata(R, S), self._abstract(self.spec_state))
-        return self._sample.lower(logits, self._abstract(self.sampler_state), smd, bitmask,
-                                  use_mask, *extra).compile()
+        return executable_cache.compile(self._sample, logits, self._abstract(self.sampler_state),
+                                        smd, bitmask, use_mask, *extra)
 
     @property
     def sample_buckets(self) -> list:
@@ -399,10 +400,10 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.compile()
         K, sds = ROW_INIT_GROUP, jax.ShapeDtypeStruct
-        self._set_rows = self._set_rows.lower(
-            self._abstract(self.sampler_state), sds((K,), jnp.int32),
+        self._set_rows = executable_cache.compile(
+            self._set_rows, self._abstract(self.sampler_state), sds((K,), jnp.int32),
             sds((K, self.max_model_len), jnp.int32), sds((K,), jnp.int32), sds((K,), jnp.int32),
-            sds((K, self.vocab), jnp.float32), sds((K, self.vocab), jnp.bool_)).compile()
+            sds((K, self.vocab), jnp.float32), sds((K, self.vocab), jnp.bool_))
         todo = [s for s in self.shapes.all if s not in self._compiled]
         todo_sample = [k for k in self.sample_buckets if k not in self._compiled_sample]
         # XLA compiles outside the GIL, so threads overlap the per-shape compiles

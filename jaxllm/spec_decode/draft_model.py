@@ -32,6 +32,7 @@ from tqdm.auto import tqdm
 from jaxllm.core.block_pool import NULL_BLOCK
 from jaxllm.layers.attention import AttentionMetadata, max_tiles
 from jaxllm.quantization import kv as kvq
+from jaxllm.runner import executable_cache
 from jaxllm.runner.block_ops import BlockOps
 from jaxllm.runner.rejection_sampler import DRAFT_STREAM, _stream_key
 from jaxllm.runner.sampler import filter_logits, process_logits
@@ -171,8 +172,8 @@ class DraftModel:
         sds = jax.ShapeDtypeStruct
         tokens = sds((S, self.k + 1), jnp.int32, sharding=rep)
         num = sds((S,), jnp.int32, sharding=rep)
-        return self._mirror.lower(self._abstract(self.state), self._abstract(self.kv_cache), ids,
-                                  md, smd, vmd, tokens, num).compile()
+        return executable_cache.compile(self._mirror, self._abstract(self.state),
+                                        self._abstract(self.kv_cache), ids, md, smd, vmd, tokens, num)
 
     def _compile_decode(self, runner, S: int):
         _, md, _, smd, _ = runner._abstract_inputs(S, S)
@@ -181,10 +182,11 @@ class DraftModel:
         smd = dataclasses.replace(smd, next_ids=sds((1,), jnp.int32))  # per token: not needed
         i32 = lambda: sds((S,), jnp.int32, sharding=rep)  # noqa: E731
         start = (i32(), i32(), i32(), sds((S,), jnp.bool_, sharding=rep))
-        return self._decode.lower(self._abstract(self.state), self._abstract(self.kv_cache),
-                                  self._abstract(runner.spec_state),
-                                  self._abstract(runner.sampler_state), md.block_tables, smd,
-                                  start, i32()).compile()
+        return executable_cache.compile(self._decode, self._abstract(self.state),
+                                        self._abstract(self.kv_cache),
+                                        self._abstract(runner.spec_state),
+                                        self._abstract(runner.sampler_state), md.block_tables, smd,
+                                        start, i32())
 
     def compile_all(self, runner, progress: bool = True) -> None:
         start = time.perf_counter()

@@ -1,0 +1,174 @@
+"""The on-disk executable cache: a hit skips tracing and computes the same; anything the trace
+depends on (closure values, baked-in constants, argument shapes, settings, code) changes the
+key; what cannot be described is compiled, not cached; a bad entry is compiled again."""
+import logging
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxllm.runner import executable_cache as ec
+
+
+TRACES = []  # a global, not a closure value: counting must not change the key
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.delenv("JAXLLM_EXECUTABLE_CACHE", raising=False)
+    ec.configure(str(tmp_path))
+    TRACES.clear()
+    yield tmp_path / "executables"
+    ec.configure(os.environ["JAXLLM_COMPILATION_CACHE_DIR"])
+
+
+def entries(d) -> int:
+    return sum(len(files) for _, _, files in os.walk(d))
+
+
+def scaled(scale, traces: list, offset=None):
+    """A jitted function closing over `scale` (and a constant array), counting its traces."""
+    assert traces is TRACES
+
+    def f(x):
+        TRACES.append(1)
+        y = x * scale
+        return y if offset is None else y + offset
+    return jax.jit(f)
+
+
+def test_a_hit_skips_tracing_and_computes_the_same(cache):
+    x = jnp.arange(6, dtype=jnp.float32)
+    traces = TRACES
+    first = ec.compile(scaled(3.0, traces), jax.ShapeDtypeStruct((6,), jnp.float32))
+    assert traces == [1] and entries(cache) == 1
+    again = ec.compile(scaled(3.0, traces), jax.ShapeDtypeStruct((6,), jnp.float32))
+    assert traces == [1], "a hit must not trace"
+    np.testing.assert_array_equal(np.asarray(again(x)), np.asarray(first(x)))
+    np.testing.assert_array_equal(np.asarray(again(x)), 3.0 * np.arange(6))
+
+
+def test_what_the_trace_depends_on_changes_the_key(cache, monkeypatch):
+    x = jnp.arange(6, dtype=jnp.float32)
+    six = jax.ShapeDtypeStruct((6,), jnp.float32)
+    traces = TRACES
+    ec.compile(scaled(3.0, traces), six)
+    # a closure value
+    assert np.asarray(ec.compile(scaled(4.0, traces), six)(x))[1] == 4.0
+    # a constant array baked into the trace: same shape, other values
+    a = ec.compile(scaled(1.0, traces, np.ones(6, np.float32)), six)
+    b = ec.compile(scaled(1.0, traces, np.full(6, 2, np.float32)), six)
+    assert np.asarray(a(x))[0] == 1.0 and np.asarray(b(x))[0] == 2.0
+    # an argument's shape, and its dtype
+    ec.compile(scaled(3.0, traces), jax.ShapeDtypeStruct((7,), jnp.float32))
+    ec.compile(scaled(3.0, traces), jax.ShapeDtypeStruct((6,), jnp.int32))
+    # compiler options
+    ec.compile(scaled(3.0, traces), six, options={"xla_cpu_enable_fast_math": False})
+    # a setting read while tracing
+    monkeypatch.setenv("JAXLLM_SOMETHING", "1")
+    ec.compile(scaled(3.0, traces), six)
+    assert len(traces) == 8 and entries(cache) == 8
+    # and the same again is a hit for each
+    ec.compile(scaled(3.0, traces), six)
+    monkeypatch.delenv("JAXLLM_SOMETHING")
+    ec.compile(scaled(1.0, traces, np.full(6, 2, np.float32)), six)
+    assert len(traces) == 8
+
+
+def test_code_fingerprint_follows_the_sources(tmp_path):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "a.py").write_text("X = 1\n")
+    (pkg / "k.cc").write_text("int f() { return 1; }\n")
+    before = ec.code_fingerprint(str(pkg))
+    (pkg / "a.py").write_text("X = 2\n")
+    ec.code_fingerprint.cache_clear()
+    changed = ec.code_fingerprint(str(pkg))
+    (pkg / "a.py").write_text("X = 1\n")
+    (pkg / "k.cc").write_text("int f() { return 2; }\n")
+    ec.code_fingerprint.cache_clear()
+    assert len({before, changed, ec.code_fingerprint(str(pkg))}) == 3
+    ec.code_fingerprint.cache_clear()
+
+
+class Opaque:
+    """Its repr carries an address: it cannot be part of a key."""
+    def __init__(self, scale):
+        self.scale = scale
+
+
+def test_an_undescribable_closure_is_compiled_not_cached(cache):
+    traces = TRACES
+    thing = Opaque(2.0)
+    six = jax.ShapeDtypeStruct((6,), jnp.float32)
+    for _ in range(2):
+        def f(x):
+            TRACES.append(1)
+            return x * thing.scale
+        out = ec.compile(jax.jit(f), six)
+    assert len(traces) == 2 and entries(cache) == 0
+    assert np.asarray(out(jnp.ones(6, jnp.float32)))[0] == 2.0
+
+
+def test_a_corrupt_entry_is_dropped_and_compiled_again(cache, caplog):
+    six = jax.ShapeDtypeStruct((6,), jnp.float32)
+    traces = TRACES
+    ec.compile(scaled(5.0, traces), six)
+    [path] = [os.path.join(d, f) for d, _, files in os.walk(cache) for f in files]
+    with open(path, "r+b") as f:
+        f.truncate(100)
+    with caplog.at_level(logging.WARNING, logger="jaxllm"):
+        fn = ec.compile(scaled(5.0, traces), six)
+    assert "unreadable entry" in caplog.text and len(traces) == 2
+    assert np.asarray(fn(jnp.ones(6, jnp.float32)))[0] == 5.0
+    ec.compile(scaled(5.0, traces), six)  # the rewritten entry is whole again
+    assert len(traces) == 2
+
+
+def test_switched_off_and_a_bad_setting(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXLLM_EXECUTABLE_CACHE", "0")
+    ec.configure(str(tmp_path))
+    try:
+        traces = TRACES
+        ec.compile(scaled(3.0, traces), jax.ShapeDtypeStruct((6,), jnp.float32))
+        assert not (tmp_path / "executables").exists()
+        monkeypatch.setenv("JAXLLM_EXECUTABLE_CACHE", "yes")
+        with pytest.raises(ValueError, match="JAXLLM_EXECUTABLE_CACHE"):
+            ec.configure(str(tmp_path))
+    finally:
+        monkeypatch.delenv("JAXLLM_EXECUTABLE_CACHE")
+        ec.configure(os.environ["JAXLLM_COMPILATION_CACHE_DIR"])
+
+
+def test_a_second_engine_start_compiles_nothing(tiny_llama, tmp_path, monkeypatch):
+    """Two starts of the same engine in one cache: the second lowers nothing (every step,
+    sampling and block executable comes from disk) and generates the same; an engine of
+    other shapes does not take the first one's executables."""
+    from jaxllm import LLM, SamplingParams
+    lowered = []
+    real = jax.stages.Traced.lower
+
+    def counting(self, *a, **k):
+        lowered.append(1)
+        return real(self, *a, **k)
+    monkeypatch.setattr(jax.stages.Traced, "lower", counting)
+    args = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128,
+                compilation_cache_dir=str(tmp_path))
+    p = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    first = LLM(tiny_llama, **args)
+    assert lowered, "a cold start compiles"
+    want = [o.outputs[0].token_ids for o in first.generate(prompts, p, use_tqdm=False)]
+    n = entries(tmp_path / "executables")
+    assert n >= first.llm_engine.runner.num_compiled
+    del first
+    lowered.clear()
+    second = LLM(tiny_llama, **args)
+    assert not lowered and second.llm_engine.runner.num_compiled > 0
+    assert [o.outputs[0].token_ids for o in second.generate(prompts, p, use_tqdm=False)] == want
+    del second
+    other = LLM(tiny_llama, **dict(args, max_num_seqs=2))
+    assert lowered and entries(tmp_path / "executables") > n
+    assert [o.outputs[0].token_ids for o in other.generate(prompts, p, use_tqdm=False)] == want
