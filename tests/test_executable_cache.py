@@ -82,15 +82,16 @@ def test_code_fingerprint_follows_the_sources(tmp_path):
     pkg.mkdir()
     (pkg / "a.py").write_text("X = 1\n")
     (pkg / "k.cc").write_text("int f() { return 1; }\n")
-    before = ec.code_fingerprint(str(pkg))
+    before = ec.fingerprint_of([str(pkg)])
     (pkg / "a.py").write_text("X = 2\n")
-    ec.code_fingerprint.cache_clear()
-    changed = ec.code_fingerprint(str(pkg))
+    changed = ec.fingerprint_of([str(pkg)])
     (pkg / "a.py").write_text("X = 1\n")
     (pkg / "k.cc").write_text("int f() { return 2; }\n")
-    ec.code_fingerprint.cache_clear()
-    assert len({before, changed, ec.code_fingerprint(str(pkg))}) == 3
-    ec.code_fingerprint.cache_clear()
+    assert len({before, changed, ec.fingerprint_of([str(pkg)])}) == 3
+    (pkg / "k.cc").write_text("int f() { return 1; }\n")
+    assert ec.fingerprint_of([str(pkg)]) == before
+    # the Pallas kernels are part of what a trace runs
+    assert "pallas_kernels" in ec.SOURCES
 
 
 class Opaque:
@@ -172,3 +173,54 @@ def test_a_second_engine_start_compiles_nothing(tiny_llama, tmp_path, monkeypatc
     other = LLM(tiny_llama, **dict(args, max_num_seqs=2))
     assert lowered and entries(tmp_path / "executables") > n
     assert [o.outputs[0].token_ids for o in other.generate(prompts, p, use_tqdm=False)] == want
+
+
+KEY_SCRIPT = """
+import jax, jax.numpy as jnp
+from jaxllm.parallel import make_mesh, sharding
+from jaxllm.runner import executable_cache as ec
+from jaxllm.runner.model_runner import build_sample
+fn = build_sample(sharding(make_mesh(1)), num_spec=2)  # nested functions, a closure
+print(ec.key_of(fn, (jax.ShapeDtypeStruct((4, 8), jnp.float32),), None))
+"""
+
+
+def test_keys_are_the_same_in_another_process():
+    """What a key describes must not depend on the process (object addresses, hash seeds):
+    a key computed here and one computed in a fresh interpreter agree."""
+    import subprocess
+    import sys
+
+    from jaxllm.parallel import make_mesh, sharding
+    from jaxllm.runner.model_runner import build_sample
+    here = ec.key_of(build_sample(sharding(make_mesh(1)), num_spec=2),
+                     (jax.ShapeDtypeStruct((4, 8), jnp.float32),), None)
+    there = subprocess.run([sys.executable, "-c", KEY_SCRIPT], capture_output=True, text=True,
+                           check=True, env=dict(os.environ, PYTHONHASHSEED="123"))
+    assert there.stdout.split()[-1] == here
+    other = ec.key_of(build_sample(sharding(make_mesh(1)), num_spec=3),
+                      (jax.ShapeDtypeStruct((4, 8), jnp.float32),), None)
+    assert other != here
+
+
+def test_descriptions_show_what_reprs_leave_out():
+    """A dataclass field hidden from its repr still counts; a value of a kind the cache does
+    not know (a module holding arrays, whose repr shows no values) is refused, not guessed."""
+    import dataclasses
+
+    from flax import nnx
+
+    @dataclasses.dataclass(frozen=True)
+    class Settings:
+        a: int
+        b: int = dataclasses.field(default=0, repr=False)
+    assert repr(Settings(1, 2)) == repr(Settings(1, 3))
+    assert ec.describe(Settings(1, 2)) != ec.describe(Settings(1, 3))
+
+    class Holder(nnx.Module):
+        def __init__(self, w):
+            self.w = nnx.Param(w)
+    with pytest.raises(ec.Uncachable):
+        ec.describe(Holder(jnp.ones(3)))
+    with pytest.raises(ec.Uncachable):
+        ec.describe(Opaque(1.0))

@@ -19,6 +19,8 @@ uncachable: it compiles as before. A bad or unreadable entry is removed and comp
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import functools
 import hashlib
 import logging
@@ -27,6 +29,7 @@ import pickle
 import re
 import tempfile
 import types
+from collections.abc import Mapping
 
 import jax
 import numpy as np
@@ -55,32 +58,45 @@ class Uncachable(Exception):
     """A value whose description would differ between processes."""
 
 
-PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROJECT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# the directories whose modules a trace runs: the engine and the Pallas kernels
+SOURCES = ("jaxllm", "pallas_kernels")
 
 
-@functools.cache
-def code_fingerprint(root: str = PACKAGE) -> str:
-    """The package's sources (Python and the CPU kernels' C++) and the libraries tracing runs."""
+def fingerprint_of(roots) -> str:
+    """The sources under roots (Python and the CPU kernels' C++) and the libraries tracing runs."""
     import flax
     import jaxlib
     h = hashlib.sha256()
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
-        for name in sorted(filenames):
-            if name.endswith((".py", ".cc", ".h")):
-                path = os.path.join(dirpath, name)
-                h.update(os.path.relpath(path, root).encode())
-                with open(path, "rb") as f:
-                    h.update(hashlib.sha256(f.read()).digest())
+    for root in roots:
+        for dirpath, dirnames, filenames in os.walk(root):
+            dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+            for name in sorted(filenames):
+                if name.endswith((".py", ".cc", ".h")):
+                    path = os.path.join(dirpath, name)
+                    h.update(os.path.relpath(path, os.path.dirname(root)).encode())
+                    with open(path, "rb") as f:
+                        h.update(hashlib.sha256(f.read()).digest())
     h.update(f"jax {jax.__version__} jaxlib {jaxlib.__version__} flax {flax.__version__}".encode())
     return h.hexdigest()
+
+
+# taken when the package is imported: the code that runs is the code that was imported (an
+# edit after that must not lend its key to executables traced from the old code)
+_FINGERPRINT = fingerprint_of([os.path.join(PROJECT, d) for d in SOURCES])
+
+
+def code_fingerprint() -> str:
+    return _FINGERPRINT
 
 
 def _plain(v) -> bool:
     if isinstance(v, (tuple, list)):
         return all(_plain(x) for x in v)
-    return v is None or isinstance(v, (bool, int, float, str)) or type(v).__module__ == "enum" \
-        or hasattr(type(v), "__members__")
+    return v is None or isinstance(v, (bool, int, float, str, enum.Enum))
+
+
+IGNORED_SETTINGS = ("compilation_cache", "persistent_cache", "log")
 
 
 def environment() -> str:
@@ -89,43 +105,76 @@ def environment() -> str:
     devices = jax.devices()
     backend = devices[0].client
     flags = [v for v in jax_config.trace_context() if _plain(v)]
+    settings = sorted((k, v) for k, v in jax.config.values.items()
+                      if _plain(v) and not any(w in k for w in IGNORED_SETTINGS))
     env = sorted((k, v) for k, v in os.environ.items()
                  if k.startswith(ENV_PREFIXES) and k not in ENV_IGNORED)
-    return repr((FORMAT, code_fingerprint(), backend.platform, backend.platform_version,
+    machine = ""
+    if backend.platform == "cpu":  # kernels built for this CPU's instructions
+        from jaxllm.quantization.cpu import _cpu_signature
+        machine = _cpu_signature()
+    return repr((FORMAT, code_fingerprint(), backend.platform, backend.platform_version, machine,
                  [(d.id, d.device_kind, d.process_index) for d in devices],
-                 jax.process_count(), flags, env))
+                 jax.process_count(), flags, settings, env))
+
+
+def _code_hash(code: types.CodeType) -> str:
+    """A function's bytecode and constants, nested functions' code included (two lambdas of
+    one scope share a qualified name, not their code)."""
+    h = hashlib.sha256(code.co_code)
+    for c in code.co_consts:
+        h.update((_code_hash(c) if isinstance(c, types.CodeType) else repr(c)).encode())
+    h.update(repr(code.co_names).encode())
+    return h.hexdigest()[:16]
 
 
 def describe(v, depth: int = 0) -> str:
-    """A deterministic text of a value the trace depends on."""
-    if depth > 12:
+    """A deterministic text of a value the trace depends on. An allow-list: a value of any
+    other kind (an object whose repr might leave out what matters) is Uncachable."""
+    if depth > 16:
         raise Uncachable("nested too deeply")
+    d = functools.partial(describe, depth=depth + 1)
     if isinstance(v, jax.ShapeDtypeStruct) or (isinstance(v, jax.Array) and not depth):
-        return f"{type(v).__name__}({v.shape}, {v.dtype}, {getattr(v, 'sharding', None)!r})"
+        return (f"{type(v).__name__}({v.shape}, {v.dtype}, weak={getattr(v, 'weak_type', False)}, "
+                f"{d(getattr(v, 'sharding', None))})")
     if isinstance(v, (jax.Array, np.ndarray, np.generic)):  # a constant the trace bakes in
         a = np.asarray(v)
         return f"array({a.shape}, {a.dtype}, {hashlib.sha256(a.tobytes()).hexdigest()})"
-    if isinstance(v, types.FunctionType):
-        cells = [describe(c.cell_contents, depth + 1) for c in (v.__closure__ or ())]
-        return f"fn {v.__module__}.{v.__qualname__}({', '.join(cells)}; " \
-               f"{describe(v.__defaults__, depth + 1)})"
-    if isinstance(v, functools.partial):
-        return f"partial({describe(v.func, depth + 1)}, {describe(v.args, depth + 1)}, " \
-               f"{describe(v.keywords, depth + 1)})"
-    if hasattr(v, "__wrapped__") and callable(v):  # a jitted function: its settings, what it wraps
-        return f"wrapped {getattr(v, '_jit_info', '')!r} {describe(v.__wrapped__, depth + 1)}"
-    if type(v).__name__ == "GraphDef" and hasattr(v, "attributes"):  # an nnx model's structure
-        return f"GraphDef({v.nodes!r}, {v.attributes!r})"
+    if _plain(v) and not isinstance(v, (tuple, list)):
+        return repr(v)
     if isinstance(v, (list, tuple)):
-        return f"{type(v).__name__}[{', '.join(describe(x, depth + 1) for x in v)}]"
-    if isinstance(v, dict):
-        return "{" + ", ".join(f"{k!r}: {describe(x, depth + 1)}" for k, x in v.items()) + "}"
-    if isinstance(v, types.ModuleType):
-        return f"module {v.__name__}"
-    text = repr(v)
-    if ADDRESS.search(text) or "..." in text:  # an address, or a summary (numpy's long arrays)
-        raise Uncachable(text[:200])
-    return text
+        return f"{type(v).__name__}[{', '.join(d(x) for x in v)}]"
+    if isinstance(v, Mapping):
+        return f"{type(v).__name__}{{" + ", ".join(f"{d(k)}: {d(x)}" for k, x in v.items()) + "}"
+    if isinstance(v, types.FunctionType):
+        code = v.__code__
+        body = _code_hash(code)
+        cells = [d(c.cell_contents) for c in (v.__closure__ or ())]
+        return (f"fn {v.__module__}.{v.__qualname__}:{code.co_firstlineno}:{body}"
+                f"({', '.join(cells)}; {d(v.__defaults__)}; {d(v.__kwdefaults__)})")
+    if isinstance(v, functools.partial):
+        return f"partial({d(v.func)}, {d(v.args)}, {d(v.keywords)})"
+    if hasattr(v, "__wrapped__") and hasattr(v, "_jit_info"):  # a jitted function
+        return f"jit {v._jit_info!r} {d(v.__wrapped__)}"
+    if isinstance(v, type) or isinstance(v, np.dtype):  # a dtype or a class
+        return repr(v)
+    if isinstance(v, jax.sharding.Mesh):
+        return f"Mesh({v.axis_names}, {v.axis_sizes}, {v.device_ids.tolist()}, {v.axis_types})"
+    if isinstance(v, jax.sharding.NamedSharding):
+        return f"NamedSharding({d(v.mesh)}, {v.spec!r}, {v.memory_kind!r})"
+    if isinstance(v, jax.sharding.PartitionSpec):
+        return repr(v)
+    if type(v).__name__ == "GraphDef" and hasattr(v, "attributes"):  # an nnx model's structure
+        return f"GraphDef({v.nodes!r}, {d(list(v.attributes))})"
+    if type(v).__module__.startswith("flax.nnx") and not dataclasses.is_dataclass(v):
+        text = repr(v)  # the graph's own records (node and attribute kinds): no values
+        if type(v).__name__ not in ("NodeAttr", "LeafAttr") or ADDRESS.search(text):
+            raise Uncachable(f"{type(v).__name__}")
+        return text
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):  # every field, shown or not
+        return (f"{type(v).__module__}.{type(v).__qualname__}("
+                + ", ".join(f"{f.name}={d(getattr(v, f.name))}" for f in dataclasses.fields(v)) + ")")
+    raise Uncachable(f"a {type(v).__module__}.{type(v).__qualname__}")
 
 
 def key_of(fn, args: tuple, options, context=()) -> str:
@@ -167,9 +216,15 @@ def compile(fn, *args, options=None, context=()):
     except Exception as e:  # noqa: BLE001  (some executables cannot be serialized)
         logger.debug("executable cache: not kept (%s)", e)
         return compiled
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path))
-    with os.fdopen(fd, "wb") as f:
-        f.write(blob)
-    os.replace(tmp, path)  # atomic: a reader sees a whole entry or none
+    tmp = None
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path))
+        with os.fdopen(fd, "wb") as f:
+            f.write(blob)
+        os.replace(tmp, path)  # atomic: a reader sees a whole entry or none
+    except OSError as e:  # a full or read-only disk costs the next start a compile, no more
+        logger.warning("executable cache: could not keep %s (%s)", path, e)
+        if tmp is not None and os.path.exists(tmp):
+            os.remove(tmp)
     return compiled
