@@ -91,3 +91,38 @@ def test_quantized_kv_cache(kv_dtype, backend):
     np.testing.assert_allclose(np.asarray(got)[:real], np.asarray(ref(deq))[:real], rtol=2e-5, atol=2e-5)
     np.testing.assert_allclose(np.asarray(got)[:real], np.asarray(ref(cache))[:real],
                                atol=0.03 if kv_dtype == "int8" else 0.15)
+
+
+def test_bf16_cache_kept_as_bits():
+    """The CPU policy's bf16 KV cache is stored as uint16 bit patterns (XLA:CPU scatters into
+    bf16 by converting the whole cache): written through write_kv it holds exactly the values'
+    bf16 rounding, and attention over it equals attention over those values in f32."""
+    from jaxllm.layers.attention import write_kv
+    from jaxllm.quantization import kv as kvq
+    q, cache, layer, md = make_case(CASES["mixed"] + [(130, 40)], kv_heads=2, seed=5)
+    L, _, KVH, slots, D = cache.shape
+    bits = kvq.make_cache(cache.shape, kvq.BF16_BITS)
+    assert bits.dtype == jnp.uint16
+    everything = jnp.arange(slots)
+    for i in range(L):
+        bits = write_kv(bits, i, cache[i, 0].swapaxes(0, 1), cache[i, 1].swapaxes(0, 1), everything)
+    rounded = cache.astype(jnp.bfloat16).astype(jnp.float32)
+    assert not np.array_equal(np.asarray(rounded), np.asarray(cache))  # the rounding is real
+    np.testing.assert_array_equal(np.asarray(kvq.dequantize(bits)), np.asarray(rounded))
+    md = jax.tree.map(jnp.asarray, md)
+    scale = D ** -0.5
+    attend = jax.jit(paged_attention_xla, static_argnums=(4,))
+    real = int(md.query_start_loc[-1])
+    np.testing.assert_array_equal(np.asarray(attend(q, bits, layer, md, scale))[:real],
+                                  np.asarray(attend(q, rounded, layer, md, scale))[:real])
+
+
+def test_cpu_engine_stores_its_bf16_cache_as_bits(tiny_llama):
+    """dtype auto on a CPU: bf16 weights and a bf16 KV cache (as bits); float32: an f32 cache."""
+    from conftest import SMALL_ENGINE
+    from jaxllm import LLM
+    auto = LLM(tiny_llama, warmup=False, **SMALL_ENGINE).llm_engine
+    assert "KV cache bfloat16" in auto.policy.describe()
+    assert auto.runner.kv_cache.dtype == jnp.uint16
+    exact = LLM(tiny_llama, dtype="float32", warmup=False, **SMALL_ENGINE).llm_engine
+    assert exact.runner.kv_cache.dtype == jnp.float32

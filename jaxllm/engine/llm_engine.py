@@ -21,6 +21,7 @@ from jaxllm.layers.linear import resolve_policy
 from jaxllm.loader import load_model
 from jaxllm.parallel import make_mesh
 from jaxllm.parallel import multiprocess as mp
+from jaxllm.quantization import kv as kvq
 from jaxllm.runner import executable_cache
 from jaxllm.runner.model_runner import InFlight, ModelRunner, kv_bytes_per_block
 from jaxllm.core.scheduler import SchedulerOutput
@@ -94,13 +95,15 @@ class LLMEngine:
             mp.initialize(config.distributed_coordinator, config.num_processes, config.process_id)
         setup_compilation_cache(config.compilation_cache_dir)
         platform = jax.default_backend()
-        # weights' storage and the dots' dtypes per platform (jaxllm.layers.linear); the KV
-        # cache and element-wise work run in the policy's activation dtype
+        # weights' storage and the dots' dtypes per platform (jaxllm.layers.linear)
         self.policy = resolve_policy(config.dtype, platform,
                                      config.tensor_parallel_size * config.num_processes)
-        self.dtype = self.policy.activation
         if config.attention_backend == "auto":
             config.attention_backend = "pallas" if platform == "gpu" else "xla"
+        # the KV cache's storage: the policy's; a CPU's bf16 cache as its bit patterns (kv.py)
+        self.dtype = self.policy.kv_dtype
+        if platform == "cpu" and self.dtype == jnp.bfloat16:
+            self.dtype = kvq.BF16_BITS if config.attention_backend == "xla" else self.policy.activation
         self.mesh = make_mesh(config.tensor_parallel_size)
         load_start = time.perf_counter()
         loaded = load_model(config.model, self.policy, config.load_format, config.seed,
@@ -242,7 +245,8 @@ class LLMEngine:
         if cfg.kv_cache_dtype != "auto":
             plain = kv_bytes_per_block(self.arch, cfg.block_size, self.dtype)
             logger.info("KV cache dtype %s: %.2fx the tokens of %s in the same memory",
-                        cfg.kv_cache_dtype, plain / per_block, jnp.dtype(self.dtype).name)
+                        cfg.kv_cache_dtype, plain / per_block,
+                        "bfloat16" if self.dtype == kvq.BF16_BITS else jnp.dtype(self.dtype).name)
         return num
 
     def _profile_blocks(self, per_block: int, loaded, lora_slots=None) -> int:

@@ -119,7 +119,8 @@ def _decode_pass(qg, kv_cache, layer, md, window, soft_cap):
         m, l, acc = state
         item = g * S + jnp.arange(S)                          # S work items at a time
         valid = item < total
-        seq = jnp.minimum(jnp.searchsorted(ends, item, side="right"), S - 1)
+        # S x S comparisons: a few vector ops, where the default search is a loop per layer
+        seq = jnp.minimum(jnp.searchsorted(ends, item, side="right", method="compare_all"), S - 1)
         c = first[seq] + item - (ends[seq] - count[seq])      # the item's chunk of its sequence
         blocks = jnp.take_along_axis(md.block_tables[seq], (c * nb)[:, None] + jnp.arange(nb),
                                      axis=1, mode="clip")
