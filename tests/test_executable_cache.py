@@ -224,3 +224,51 @@ def test_descriptions_show_what_reprs_leave_out():
         ec.describe(Holder(jnp.ones(3)))
     with pytest.raises(ec.Uncachable):
         ec.describe(Opaque(1.0))
+
+
+JAX_CACHE_SCRIPT = """
+import os, sys, jax, jax.numpy as jnp
+jax.config.update("jax_compilation_cache_dir", sys.argv[1])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+from jaxllm.runner import executable_cache as ec
+ec.configure(sys.argv[2])
+def make():
+    def f(x):
+        return (x.astype(jnp.bfloat16) * 3).astype(jnp.float32).sum()
+    return jax.jit(f)
+x = jax.ShapeDtypeStruct((64, 128), jnp.float32)
+make().lower(x).compile()            # fills JAX's persistent cache
+got = ec.compile(make(), x)          # traced again: JAX's cache answers
+print(float(got(jnp.ones((64, 128)))))
+print(sum(len(f) for _, _, f in os.walk(os.path.join(sys.argv[2], "executables"))))
+"""
+
+
+def test_an_executable_from_jax_cache_is_not_kept(tmp_path):
+    """XLA:CPU cannot serialize whole an executable that JAX's persistent cache loaded (a
+    later load misses its functions), so such an executable is used but not kept."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", JAX_CACHE_SCRIPT, str(tmp_path / "jax"),
+                          str(tmp_path / "ours")], capture_output=True, text=True, check=True)
+    value, kept = out.stdout.split()[-2:]
+    assert float(value) == 3.0 * 64 * 128 and kept == "0"
+
+
+def test_the_engine_uses_one_persistent_cache(tmp_path, monkeypatch):
+    """With the executable cache on, JAX's persistent cache stays off (its hits could never
+    reach ours); with it off, JAX's cache is used as before."""
+    from jaxllm.engine.llm_engine import setup_compilation_cache
+    monkeypatch.delenv("JAXLLM_EXECUTABLE_CACHE", raising=False)
+    before = jax.config.jax_compilation_cache_dir
+    try:
+        setup_compilation_cache(str(tmp_path / "a"))
+        assert ec.enabled() and jax.config.jax_compilation_cache_dir == before
+        monkeypatch.setenv("JAXLLM_EXECUTABLE_CACHE", "0")
+        setup_compilation_cache(str(tmp_path / "b"))
+        assert not ec.enabled() and jax.config.jax_compilation_cache_dir == str(tmp_path / "b")
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
+        monkeypatch.delenv("JAXLLM_EXECUTABLE_CACHE")
+        ec.configure(os.environ["JAXLLM_COMPILATION_CACHE_DIR"])

@@ -34,8 +34,11 @@ DEFAULT_CPU_KV_BYTES = 1 << 30
 
 
 def setup_compilation_cache(cache_dir: str | None) -> None:
+    """jaxllm's executable cache, or (JAXLLM_EXECUTABLE_CACHE=0) JAX's persistent cache. Not
+    both: an executable JAX's cache loads cannot be serialized whole again (executable_cache),
+    so with JAX's cache on, a step it holds would never reach ours."""
     executable_cache.configure(cache_dir)
-    if not cache_dir:
+    if not cache_dir or executable_cache.enabled():
         return
     jax.config.update("jax_compilation_cache_dir", cache_dir)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)

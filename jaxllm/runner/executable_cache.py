@@ -28,6 +28,7 @@ import os
 import pickle
 import re
 import tempfile
+import threading
 import types
 from collections.abc import Mapping
 
@@ -44,6 +45,20 @@ FORMAT = 1  # bump when what an entry holds changes
 
 _directory: str | None = None
 
+# XLA:CPU cannot serialize whole an executable that JAX's persistent cache loaded (a later
+# load misses its functions: "Function ... not found"), so an executable that came from there
+# is not kept. JAX reports its cache hits as events, in the compiling thread.
+_compiling = threading.local()
+JAX_CACHE_HIT = "/jax/compilation_cache/cache_hits"
+
+
+def _on_event(event: str, **_) -> None:
+    if event == JAX_CACHE_HIT:
+        _compiling.from_jax_cache = True
+
+
+jax.monitoring.register_event_listener(_on_event)
+
 
 def configure(cache_dir: str | None) -> None:
     """Keep executables under cache_dir/executables (None or JAXLLM_EXECUTABLE_CACHE=0: off)."""
@@ -52,6 +67,10 @@ def configure(cache_dir: str | None) -> None:
     if off not in ("0", "1"):
         raise ValueError(f"JAXLLM_EXECUTABLE_CACHE must be 0 or 1, not {off!r}")
     _directory = os.path.join(cache_dir, "executables") if cache_dir and off == "1" else None
+
+
+def enabled() -> bool:
+    return _directory is not None
 
 
 class Uncachable(Exception):
@@ -210,7 +229,11 @@ def compile(fn, *args, options=None, context=()):
                 os.remove(path)
             except OSError:
                 pass
+    _compiling.from_jax_cache = False
     compiled = fn.lower(*args).compile(options)
+    if _compiling.from_jax_cache:
+        logger.debug("executable cache: %s came from JAX's cache, not kept", path)
+        return compiled
     try:
         blob = pickle.dumps(serialize_executable.serialize(compiled))
     except Exception as e:  # noqa: BLE001  (some executables cannot be serialized)
