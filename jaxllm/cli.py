@@ -42,9 +42,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="weight quantization (default: as the checkpoint ships it)")
     _smoothquant_args(g)
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--kv-cache-dtype", default=None, choices=["auto", "int8", "fp8", "fp8_e4m3"],
-                   help="KV cache storage: auto (the activation dtype), or int8 / fp8 with a scale "
-                        "per token and head (about twice the tokens of bf16)")
+    g.add_argument("--kv-cache-dtype", default=None, choices=["auto", "bfloat16", "int8", "fp8", "fp8_e4m3"],
+                   help="KV cache storage: auto (the activation dtype), bfloat16, or int8 / fp8 with "
+                        "a scale per token and head (about twice the tokens of bf16)")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--kv-cache-memory-bytes", type=int, default=None)

@@ -103,10 +103,11 @@ class LLMEngine:
                                      config.tensor_parallel_size * config.num_processes)
         if config.attention_backend == "auto":
             config.attention_backend = "pallas" if platform == "gpu" else "xla"
-        # the KV cache's storage: the policy's; a CPU's bf16 cache as its bit patterns (kv.py)
-        self.dtype = self.policy.kv_dtype
-        if platform == "cpu" and self.dtype == jnp.bfloat16:
-            self.dtype = kvq.BF16_BITS if config.attention_backend == "xla" else self.policy.activation
+        # the KV cache's storage: the activations' dtype, or bf16 when asked; on a CPU's XLA
+        # attention a bf16 cache is kept as its bit patterns (kv.py)
+        self.dtype = jnp.bfloat16 if config.kv_cache_dtype == "bfloat16" else self.policy.activation
+        if platform == "cpu" and self.dtype == jnp.bfloat16 and config.attention_backend == "xla":
+            self.dtype = kvq.BF16_BITS
         self.mesh = make_mesh(config.tensor_parallel_size)
         load_start = time.perf_counter()
         loaded = load_model(config.model, self.policy, config.load_format, config.seed,
@@ -246,10 +247,9 @@ class LLMEngine:
                     "for %d-token requests: %.2fx", num, cfg.block_size, tokens,
                     num * per_block / 2**30, cfg.max_model_len, tokens / cfg.max_model_len)
         if cfg.kv_cache_dtype != "auto":
-            plain = kv_bytes_per_block(self.arch, cfg.block_size, self.dtype)
+            plain = kv_bytes_per_block(self.arch, cfg.block_size, self.policy.activation)
             logger.info("KV cache dtype %s: %.2fx the tokens of %s in the same memory",
-                        cfg.kv_cache_dtype, plain / per_block,
-                        "bfloat16" if self.dtype == kvq.BF16_BITS else jnp.dtype(self.dtype).name)
+                        cfg.kv_cache_dtype, plain / per_block, jnp.dtype(self.policy.activation).name)
         return num
 
     def _profile_blocks(self, per_block: int, loaded, lora_slots=None) -> int:

@@ -37,18 +37,11 @@ class DTypePolicy:
     activation: Any   # element-wise work, norms' weights, biases, the KV cache
     dot: Any          # the operands' dtype inside a dot
     accum: Any        # the dot's accumulation (preferred_element_type)
-    kv: Any = None    # the KV cache's storage when not the activations' dtype
-
-    @property
-    def kv_dtype(self):
-        return self.activation if self.kv is None else self.kv
 
     def describe(self) -> str:
         n = jnp.dtype
         text = (f"{self.name}: weights {n(self.weight).name}, activations {n(self.activation).name}, "
                 f"dots {n(self.dot).name} accumulating in {n(self.accum).name}")
-        if self.kv is not None:
-            text += f", KV cache {n(self.kv).name}"
         return text
 
 
@@ -58,10 +51,8 @@ def uniform_policy(dtype) -> DTypePolicy:
     return DTypePolicy(jnp.dtype(d).name, d, d, d, d)
 
 
-# a CPU's bf16: bf16 storage (weights and the KV cache), widened to f32 for the dots; f32
-# element-wise work. Attention over many sequences is bound by reading the cache: bf16 halves it
-CPU_BF16_POLICY = DTypePolicy("cpu-bfloat16", jnp.bfloat16, jnp.float32, jnp.float32, jnp.float32,
-                              kv=jnp.bfloat16)
+# a CPU's bf16: bf16 storage, widened to f32 for the dots; f32 element-wise work
+CPU_BF16_POLICY = DTypePolicy("cpu-bfloat16", jnp.bfloat16, jnp.float32, jnp.float32, jnp.float32)
 
 
 def resolve_policy(dtype: str, platform: str, devices: int = 1) -> DTypePolicy:

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from jaxllm.quantization.formats import FP8_MAX
 
-KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "int8", "fp8", "fp8_e4m3")
 # a bf16 cache kept as its 16-bit patterns: XLA:CPU scatters into a bf16 array by converting
 # the whole array to f32 and back (hundreds of ms per layer for a 1 GiB cache), into uint16 in
 # place. Reads bitcast the gathered values back to bf16.
@@ -30,9 +30,10 @@ def validate_kv_dtype(name: str) -> None:
 
 
 def storage_dtype(name: str):
-    """The values' dtype of a kv_cache_dtype (None: "auto", the activation dtype unquantized)."""
+    """The values' dtype of a kv_cache_dtype (None: unquantized, in the dtype the engine
+    chose: the activations' for "auto", bf16 for "bfloat16")."""
     validate_kv_dtype(name)
-    return {"auto": None, "int8": jnp.int8, "fp8": jnp.float8_e4m3fn,
+    return {"auto": None, "bfloat16": None, "int8": jnp.int8, "fp8": jnp.float8_e4m3fn,
             "fp8_e4m3": jnp.float8_e4m3fn}[name]
 
 
