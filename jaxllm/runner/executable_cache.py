@@ -196,24 +196,23 @@ def describe(v, depth: int = 0) -> str:
     raise Uncachable(f"a {type(v).__module__}.{type(v).__qualname__}")
 
 
-def key_of(fn, args: tuple, options, context=()) -> str:
+def key_of(fn, args: tuple, options) -> str:
     leaves, tree = jax.tree.flatten(args)
     # arguments are described by shape (depth 0): their values are inputs, not constants
-    text = "\n".join([environment(), describe(fn), repr(options), describe(context), str(tree),
+    text = "\n".join([environment(), describe(fn), repr(options), str(tree),
                       *(describe(x) for x in leaves)])
     if ADDRESS.search(text):
         raise Uncachable("an object address in the description")
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def compile(fn, *args, options=None, context=()):
-    """fn.lower(*args).compile(options), from disk when this exact executable was kept.
-    context: what else the trace depends on that fn's closure and args do not show."""
+def compile(fn, *args, options=None):
+    """fn.lower(*args).compile(options), from disk when this exact executable was kept."""
     if _directory is None or jax.process_count() > 1:
         return fn.lower(*args).compile(options)
     from jax.experimental import serialize_executable
     try:
-        key = key_of(fn, args, options, context)
+        key = key_of(fn, args, options)
     except Uncachable as e:
         logger.debug("executable cache: %s is not cachable (%s)", getattr(fn, "__name__", fn), e)
         return fn.lower(*args).compile(options)
