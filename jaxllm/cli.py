@@ -74,6 +74,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="adapters kept loaded in host memory (default max-loras)")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+    g.add_argument("--compile-in-background", action=argparse.BooleanOptionalAction, default=None,
+                   help="be ready once the shapes holding any step are compiled and compile the "
+                        "rest while serving (default: on for serve, off otherwise)")
     g.add_argument("--compilation-cache-dir", default=None,
                    help="persistent XLA compilation cache (default ~/.cache/jaxllm/xla)")
 
@@ -150,6 +153,8 @@ def cmd_serve(args) -> int:
         args.model = args.model_tag
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser")
+    if args.compile_in_background is None:  # a server is ready sooner; its batching varies anyway
+        args.compile_in_background = True
     return run_server(engine_config_from_args(args), args.host, args.port, args.served_model_name,
                       args.api_key, args.max_queue_len, args.shutdown_timeout, args.log_interval,
                       args.tool_call_parser if args.enable_auto_tool_choice else None,

@@ -67,6 +67,11 @@ class EngineConfig:
         )
     )
     warmup: bool = True
+    # ready once the shapes that hold any step are compiled (StepShapes.essential); the rest
+    # compile on a thread while steps pad to compiled shapes. Off by default: a step's padded
+    # shape (and so its last float bits) would then depend on timing; `jaxllm serve` turns it
+    # on, where batching already does
+    compile_in_background: bool = False
 
     def __post_init__(self):
         if self.dtype not in DTYPES:

@@ -180,6 +180,22 @@ def test_step_shapes_cover_every_batch():
             assert (t, s) in shapes.all and t >= tokens and s >= seqs and s <= t
 
 
+def test_essential_shapes_are_few_and_hold_every_step():
+    """Compiled before serving when the rest compile in the background: the largest shape
+    holds every step, and a decode batch finds a square shape at most 4x its size."""
+    from jaxllm.runner.buckets import StepShapes, make_buckets
+    cpu = StepShapes(make_buckets(16, 512), make_buckets(1, 64), decode_buckets=(1, 2, 4, 8))
+    assert cpu.essential == [(1, 1), (4, 4), (16, 16), (64, 64), (512, 64)]
+    gpu = StepShapes(make_buckets(16, 8192, linear_from=1024), make_buckets(1, 256))
+    assert gpu.essential == [(16, 16), (64, 64), (256, 256), (8192, 256)]
+    for shapes in (cpu, gpu):
+        assert set(shapes.essential) <= set(shapes.all)
+        assert shapes.all[-1] in shapes.essential and len(shapes.essential) * 4 < len(shapes.all)
+        for seqs in range(1, shapes.seq_buckets[-1] + 1):
+            square = min(t for t, s in shapes.essential if t == s and s >= seqs)
+            assert square <= 4 * shapes.pick(seqs, seqs)[0]
+
+
 def test_max_loras_per_step_base_requests_go_on_no_adapter_starves():
     """Running requests use at most max_loras adapters (so every step does); a request whose
     adapter does not fit waits in its place while base requests go on, and later requests

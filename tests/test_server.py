@@ -68,6 +68,8 @@ def test_health_ready_models_version(server, client):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
     assert httpx.get(server["base"] + "/version").json()["version"]
+    # serve is ready before every step shape is compiled (compile_in_background)
+    assert "compile in the background" in server["log"].read_text()
 
 
 def test_completion_and_usage(server, client):

@@ -178,9 +178,11 @@ class LLMEngine:
             logger.info("speculative decoding: %s", spec.describe())
         self.compile_seconds = 0.0
         if config.warmup:
-            self.compile_seconds = self.runner.compile_all()
-            logger.info("compiled %d step shapes (forward %d, sampling %d) in %.1f s",
-                        self.runner.num_compiled, len(self.runner.shapes.all),
+            self.compile_seconds = self.runner.compile_all(
+                background=config.compile_in_background)
+            total = len(self.runner.shapes.all) + len(self.runner.sample_buckets)
+            logger.info("compiled %d of %d step executables (forward %d, sampling %d) in %.1f s",
+                        min(self.runner.num_compiled, total), total, len(self.runner.shapes.all),
                         len(self.runner.sample_buckets), self.compile_seconds)
         self._rng = np.random.default_rng(config.seed)
         self.structured = StructuredOutputManager(self.tokenizer, self.arch.vocab_size,
@@ -286,8 +288,9 @@ class LLMEngine:
         self.runner.follow()
 
     def shutdown(self) -> None:
-        """Process 0: release the followers (they return from follow())."""
+        """Process 0: release the followers (they return from follow()); stop compiling."""
         self.runner.stop_followers()
+        self.runner.stop_background_compile()
 
     # requests
     def process_inputs(self, prompt, params: SamplingParams | None = None,

@@ -59,6 +59,14 @@ class StepShapes:
     def all(self) -> list[tuple[int, int]]:
         return [(t, s) for t in self.token_buckets for s in self.seqs_for[t]]
 
+    @property
+    def essential(self) -> list[tuple[int, int]]:
+        """The shapes compiled before serving when the rest compile in the background: the
+        largest (any step fits it) and every other square (decode) shape from the largest
+        down, so a decode batch pads to at most four times its size meanwhile."""
+        squares = [(t, t) for t in self.token_buckets if t in self.seqs_for[t]]
+        return sorted(set(squares[::-1][::2]) | {self.all[-1]})
+
     def pick(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
         """The smallest compiled (T, S) holding num_tokens tokens in num_seqs sequences."""
         t = pick(self.token_buckets, max(num_tokens, num_seqs))

@@ -6,16 +6,21 @@ what sampling needs that depends on the previous step's tokens: structured outpu
 bitmask, while the device runs the forward pass. Every (tokens, seqs) bucket of the forward
 pass and every seqs bucket of sampling is compiled ahead of time at start-up (the sampler once
 per seqs bucket, not once per pair); a step whose padded shape has no compiled executable is a
-bug, not a reason to compile.
+bug, not a reason to compile. With `background=True` only a few shapes that together hold any
+step compile before serving (StepShapes.essential); the rest compile on a thread while steps
+run, each padded to the smallest shape compiled so far.
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -280,6 +285,12 @@ def abstract_sample_inputs(S: int, vocab: int, smd):
             sds((S, bitmask_words(vocab)), jnp.int32), sds((), jnp.bool_))
 
 
+def _stop_thread(stop: threading.Event, thread: threading.Thread | None) -> None:
+    stop.set()
+    if thread is not None:
+        thread.join()
+
+
 def bitmask_words(vocab: int) -> int:
     return -(-vocab // 32)
 
@@ -325,6 +336,10 @@ class ModelRunner:
         self._compiled: dict[tuple[int, int], object] = {}         # forward per (T, S)
         self._compiled_sample: dict[int, object] = {}               # sampling per S
         self._allow_all: dict[int, jax.Array] = {}  # per S: the bitmask of unconstrained steps
+        # the shapes compiling after start-up (compile_all(background=True)), and its stop flag
+        self._background: threading.Thread | None = None
+        self._stop_background = threading.Event()
+        self.background_compile_seconds: float | None = None  # once the thread has finished
         self.num_steps = 0
         self.device_wait_seconds = 0.0  # host time spent waiting for steps' results
         self.num_compiles_after_warmup = 0
@@ -394,7 +409,19 @@ class ModelRunner:
     def sample_buckets(self) -> list:
         return sorted({self.sample_key(T, S) for T, S in self.shapes.all})
 
-    def compile_all(self, progress: bool = True) -> float:
+    def _compile_jobs(self, shapes) -> list:
+        """(table, key, compile) for the forward passes of `shapes` and their samplings that
+        are not compiled yet."""
+        jobs = [(self._compiled, s, partial(self._compile, *s))
+                for s in shapes if s not in self._compiled]
+        keys = sorted({self.sample_key(*s) for s in shapes})
+        return jobs + [(self._compiled_sample, k, partial(self._compile_sample, k))
+                       for k in keys if k not in self._compiled_sample]
+
+    def compile_all(self, progress: bool = True, background: bool = False) -> float:
+        """Compile every step shape before returning, or with `background` only the essential
+        ones, the rest on a thread (not with a draft model or several processes, whose steps
+        must follow the same shapes). Returns the seconds spent before returning."""
         start = time.perf_counter()
         self.block_ops.compile()
         if self.lora is not None:
@@ -404,23 +431,69 @@ class ModelRunner:
             self._set_rows, self._abstract(self.sampler_state), sds((K,), jnp.int32),
             sds((K, self.max_model_len), jnp.int32), sds((K,), jnp.int32), sds((K,), jnp.int32),
             sds((K, self.vocab), jnp.float32), sds((K, self.vocab), jnp.bool_))
-        todo = [s for s in self.shapes.all if s not in self._compiled]
-        todo_sample = [k for k in self.sample_buckets if k not in self._compiled_sample]
+        background = background and self.drafter is None and self.channel is None
+        jobs = self._compile_jobs(self.shapes.essential if background else self.shapes.all)
         # XLA compiles outside the GIL, so threads overlap the per-shape compiles
         with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
-            futures = [(self._compiled, shape, pool.submit(self._compile, *shape))
-                       for shape in todo]
-            futures += [(self._compiled_sample, key, pool.submit(self._compile_sample, key))
-                        for key in todo_sample]
+            futures = [(table, key, pool.submit(fn)) for table, key, fn in jobs]
             bar = tqdm(total=len(futures), desc="compiling step buckets", disable=not progress,
                        unit="shape")
             for table, key, fut in futures:
                 table[key] = fut.result()
                 bar.update(1)
             bar.close()
+        rest = self._compile_jobs(self.shapes.all)
+        if rest:
+            # one thread: serving keeps the other cores
+            self._background = threading.Thread(target=self._compile_rest, args=(rest,),
+                                                name="jaxllm-compile", daemon=True)
+            self._background.start()
+            # at exit, wait for the executable in progress rather than unload XLA under it
+            atexit.register(_stop_thread, self._stop_background, self._background)
+            logger.info("%d step executables compile in the background; until each is ready "
+                        "its steps pad to a larger compiled shape", len(rest))
         if self.drafter is not None:
             self.drafter.compile_all(self, progress)
         return time.perf_counter() - start
+
+    def _compile_rest(self, jobs) -> None:
+        start = time.perf_counter()
+        for table, key, fn in jobs:
+            if self._stop_background.is_set():
+                return
+            try:
+                table[key] = fn()
+            except Exception:  # steps keep padding to the compiled shapes
+                logger.exception("background compilation of step shape %s failed", key)
+        self.background_compile_seconds = time.perf_counter() - start
+        logger.info("compiled the remaining %d step executables in the background in %.1f s",
+                    len(jobs), self.background_compile_seconds)
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Wait for the background compilation (if any); True when every shape is compiled."""
+        if self._background is not None:
+            self._background.join(timeout)
+        return all(self._ready(s) for s in self.shapes.all)
+
+    def stop_background_compile(self) -> None:
+        """Stop after the executable compiling now (XLA cannot be interrupted)."""
+        _stop_thread(self._stop_background, self._background)
+
+    def pick_shape(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
+        """The step shape of num_tokens tokens in num_seqs sequences: the smallest bucket, or
+        while shapes compile in the background the smallest compiled one that holds them."""
+        shape = self.shapes.pick(num_tokens, num_seqs)
+        if self._background is None or not self._background.is_alive() or self._ready(shape):
+            return shape
+        buckets = self.shapes.token_buckets
+        for t in buckets[buckets.index(shape[0]):]:
+            for s in self.shapes.seqs_for[t]:
+                if s >= num_seqs and self._ready((t, s)):
+                    return t, s
+        return shape  # not reached: the largest shape compiles before serving
+
+    def _ready(self, shape) -> bool:
+        return shape in self._compiled and self.sample_key(*shape) in self._compiled_sample
 
     @property
     def num_compiled(self) -> int:
@@ -598,7 +671,7 @@ class ModelRunner:
         spec = out.scheduled_spec_decode_tokens
         nd = np.fromiter((len(spec.get(r, ())) for r in req_ids), np.int32, len(req_ids))
         S_real, T_real = len(req_ids), int(n.sum())
-        T, S = self.shapes.pick(T_real, S_real)
+        T, S = self.pick_shape(T_real, S_real)
         md = attention_metadata(starts, n, batch.block_table[rows], T, S, self.block_size,
                                 self.q_tile(T))
         tok_rows = rows[md.token_seq_ids[:T_real]]

@@ -1,0 +1,77 @@
+"""compile_in_background: the engine is ready once the shapes that hold any step are compiled
+(StepShapes.essential); the others compile on a thread while steps pad to compiled shapes."""
+import threading
+
+import numpy as np
+import pytest
+
+from conftest import SMALL_ENGINE
+from jaxllm import LLM, SamplingParams
+from jaxllm.runner.model_runner import ModelRunner
+
+
+@pytest.fixture()
+def held_background(monkeypatch):
+    """The background compilation waits until the test sets the returned event."""
+    release = threading.Event()
+    original = ModelRunner._compile_rest
+
+    def held(self, jobs):
+        release.wait()
+        original(self, jobs)
+
+    monkeypatch.setattr(ModelRunner, "_compile_rest", held)
+    yield release
+    release.set()
+
+
+def test_steps_pad_to_essential_shapes_until_the_rest_compile(tiny_llama, tiny_llm, held_background):
+    llm = LLM(tiny_llama, dtype="float32", compile_in_background=True, **SMALL_ENGINE)
+    runner = llm.llm_engine.runner
+    shapes = runner.shapes
+    assert set(runner._compiled) == set(shapes.essential) and len(shapes.essential) < len(shapes.all)
+    used = []
+    pick = runner.pick_shape
+
+    def spy(tokens, seqs):
+        shape = pick(tokens, seqs)
+        used.append((shapes.pick(tokens, seqs), shape))
+        return shape
+
+    runner.pick_shape = spy
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(10, 40000, size=n).tolist() for n in (3, 17, 40, 5, 9)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    want = tiny_llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    for g, w in zip(got, want):
+        for a, b in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
+            assert a.keys() == b.keys()
+            assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
+    # every step ran in a compiled shape, some padded past their own bucket
+    assert all(shape in shapes.essential for _, shape in used)
+    assert any(ideal != shape for ideal, shape in used)
+    assert runner.num_compiles_after_warmup == 0
+    del runner.pick_shape
+
+    held_background.set()
+    assert runner.wait_compiled(timeout=600)
+    assert set(runner._compiled) == set(shapes.all)
+    assert runner.background_compile_seconds is not None
+    assert all(runner.pick_shape(t, s) == shapes.pick(t, s) for t in range(1, 65) for s in (1, 3, 8) if s <= t)
+    again = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in want]
+    assert runner.num_compiles_after_warmup == 0
+    llm.llm_engine.shutdown()
+
+
+def test_shutdown_stops_the_background_compilation(tiny_llama, held_background):
+    llm = LLM(tiny_llama, dtype="float32", compile_in_background=True, **SMALL_ENGINE)
+    runner = llm.llm_engine.runner
+    before = set(runner._compiled)
+    runner._stop_background.set()  # as shutdown does, before the held thread may start
+    held_background.set()
+    llm.llm_engine.shutdown()
+    assert not runner._background.is_alive()
+    assert set(runner._compiled) == before and not runner.wait_compiled(timeout=0)
