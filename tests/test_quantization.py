@@ -125,27 +125,31 @@ def test_cpu_kernels_match_the_xla_path(case):
     from jaxllm.quantization import cpu
     if not cpu.available():
         pytest.fail("the CPU kernels did not build here (see the warning)")
-    w = RNG.standard_normal((3, 70, 192)).astype(np.float32)  # 3 layers, N not a multiple of 4
-    h = CASES.get(case, CASES["int8 per channel"])(w)
-    assert h.scale.dtype == (np.float16 if "float16" in case or "per channel" in case or "w8a8" in case
-                             else np.float32)
-    act = "int8" if case.startswith("w8a8") else "int8_block" if "int8 blocks" in case else "none"
-    smooth = jnp.asarray(RNG.uniform(0.5, 2.0, (3, 192)).astype(np.float32)) if "smooth" in case else None
-    parts = [jnp.asarray(a) if a is not None else None for a in (h.q, h.scale, h.offset)]
-    pol = uniform_policy(jnp.float32)
-    for M in (1, 3, 4, 5, 8, 9, 17):
-        x = jnp.asarray(RNG.standard_normal((M, 192)).astype(np.float32))
-        x = x.at[0, 32:64].set(0.0)  # a block of zeros
-        for layer in (0, 2):
-            ref = np.asarray(jax.jit(lambda x, w: matmul_xla(x, w, pol))(
-                x, QWeight(*parts, smooth, jnp.int32(layer), act, "xla")))
-            got = np.asarray(jax.jit(cpu.matmul)(x, QWeight(*parts, smooth, jnp.int32(layer), act, "cpu")))
-            assert rel(got, ref) < 1e-5, (case, M, layer)
-            if act == "none":  # and both equal the dequantized matrix product
-                assert rel(ref, np.asarray(x) @ h.dequantize()[layer].T) < 1e-5
-            if act == "int8_block":  # ... of activations rounded to int8 per block of 32
-                assert rel(ref, int8_blocks(np.asarray(x)) @ h.dequantize()[layer].T) < 1e-5
-                assert rel(ref, np.asarray(x) @ h.dequantize()[layer].T) < 2e-2
+    # 3 layers, N not a multiple of 4; for w8a8 also the packed kernel's shapes (N a multiple of
+    # 16, from 8 rows), with K a multiple of 64 and not (its packing has a tail)
+    shapes = [(70, 192)] + ([(96, 192), (48, 200)] if case.startswith("w8a8") else [])
+    for N, K in shapes:
+        w = RNG.standard_normal((3, N, K)).astype(np.float32)
+        h = CASES.get(case, CASES["int8 per channel"])(w)
+        assert h.scale.dtype == (np.float16 if "float16" in case or "per channel" in case or "w8a8" in case
+                                 else np.float32)
+        act = "int8" if case.startswith("w8a8") else "int8_block" if "int8 blocks" in case else "none"
+        smooth = jnp.asarray(RNG.uniform(0.5, 2.0, (3, K)).astype(np.float32)) if "smooth" in case else None
+        parts = [jnp.asarray(a) if a is not None else None for a in (h.q, h.scale, h.offset)]
+        pol = uniform_policy(jnp.float32)
+        for M in (1, 3, 4, 5, 8, 9, 17) + ((64,) if N % 16 == 0 else ()):
+            x = jnp.asarray(RNG.standard_normal((M, K)).astype(np.float32))
+            x = x.at[0, 32:64].set(0.0)  # a block of zeros
+            for layer in (0, 2):
+                ref = np.asarray(jax.jit(lambda x, w: matmul_xla(x, w, pol))(
+                    x, QWeight(*parts, smooth, jnp.int32(layer), act, "xla")))
+                got = np.asarray(jax.jit(cpu.matmul)(x, QWeight(*parts, smooth, jnp.int32(layer), act, "cpu")))
+                assert rel(got, ref) < 1e-5, (case, N, K, M, layer)
+                if act == "none":  # and both equal the dequantized matrix product
+                    assert rel(ref, np.asarray(x) @ h.dequantize()[layer].T) < 1e-5
+                if act == "int8_block":  # ... of activations rounded to int8 per block of 32
+                    assert rel(ref, int8_blocks(np.asarray(x)) @ h.dequantize()[layer].T) < 1e-5
+                    assert rel(ref, np.asarray(x) @ h.dequantize()[layer].T) < 2e-2
 
 
 def int8_blocks(x: np.ndarray) -> np.ndarray:
