@@ -720,9 +720,8 @@ ffi::Error W8A8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   const float* xp = x.typed_data();
   uint8_t* xup = xu->data();
   float* xsp = xs->data();
-  parallel_rows(pool, M, 8, [=](int64_t m0, int64_t m1) {
-    quantize_rows(xp + m0 * K, sm, m1 - m0, K, xup + m0 * K, xsp + m0);
-  });
+  // on this thread: a second round on the pool costs more in wake-ups than it saves
+  quantize_rows(xp, sm, M, K, xup, xsp);
   float* yp = y->typed_data();
   if (kPackedKernel && M >= kPackedMinRows && K % 4 == 0 && N % 16 == 0) {
     parallel_rows(pool, N, kPanel, [=](int64_t n0, int64_t n1) {
