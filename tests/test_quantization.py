@@ -176,6 +176,20 @@ def test_cpu_bf16_kernel_matches_numpy(out_major):
         for layer in (0, 2):
             ref = x @ (wf[layer].T if out_major else wf[layer])
             assert rel(np.asarray(f(x, w, jnp.int32(layer))), ref) < 1e-5, (M, layer)
+    # from 16 rows with N a multiple of 16: packed panels, activations rounded to bf16 (K / 2
+    # pairs of k: 6 transposed blocks of 16 and a tail of 4)
+    K, N = 200, 96
+    w = jnp.asarray(RNG.standard_normal((3, N, K) if out_major else (3, K, N)), jnp.bfloat16)
+    wf = np.asarray(w.astype(jnp.float32))
+    for M in (15, 16, 17, 64):
+        x = RNG.standard_normal((M, K)).astype(np.float32)
+        xr = np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32)) if M >= 16 else x
+        for layer in (0, 2):
+            ref = xr.astype(np.float64) @ (wf[layer].T if out_major else wf[layer])
+            got = np.asarray(f(x, w, jnp.int32(layer)))
+            assert rel(got, ref) < 1e-5, (M, layer)
+            if M >= 16:  # and not the product of the unrounded activations
+                assert rel(got, x @ (wf[layer].T if out_major else wf[layer])) > 1e-4
     # one matrix (no stack) with leading batch dimensions
     x = RNG.standard_normal((2, 3, K)).astype(np.float32)
     got = np.asarray(jax.jit(lambda x, w: cpu.dense_bf16(x, w, None, out_major))(x, w[1]))
