@@ -103,11 +103,6 @@ class LLMEngine:
                                      config.tensor_parallel_size * config.num_processes)
         if config.attention_backend == "auto":
             config.attention_backend = "pallas" if platform == "gpu" else "xla"
-        # the KV cache's storage: the activations' dtype, or bf16 when asked; on a CPU's XLA
-        # attention a bf16 cache is kept as its bit patterns (kv.py)
-        self.dtype = jnp.bfloat16 if config.kv_cache_dtype == "bfloat16" else self.policy.activation
-        if platform == "cpu" and self.dtype == jnp.bfloat16 and config.attention_backend == "xla":
-            self.dtype = kvq.BF16_BITS
         self.mesh = make_mesh(config.tensor_parallel_size)
         load_start = time.perf_counter()
         loaded = load_model(config.model, self.policy, config.load_format, config.seed,
@@ -115,6 +110,17 @@ class LLMEngine:
                             mesh=self.mesh, quantization=config.quantization,
                             smoothquant_alpha=config.smoothquant_alpha)
         self.load_seconds = time.perf_counter() - load_start
+        # the KV cache's storage: bf16 when asked, and for "auto" the dtype the model's float
+        # weights are stored in, as vLLM's auto (a CPU's bf16 policy: attention reads half the
+        # bytes); otherwise, and for quantized weights (whose products are exact to the
+        # dequantized float model's), the activations' dtype. On a CPU's XLA attention a bf16
+        # cache is kept as its bit patterns (kv.py)
+        kv_bf16 = config.kv_cache_dtype == "bfloat16" or (
+            config.kv_cache_dtype == "auto" and self.policy.weight == jnp.bfloat16
+            and loaded.quant is None)
+        self.dtype = jnp.bfloat16 if kv_bf16 else self.policy.activation
+        if platform == "cpu" and self.dtype == jnp.bfloat16 and config.attention_backend == "xla":
+            self.dtype = kvq.BF16_BITS
         self.arch = loaded.arch
         self.tokenizer = loaded.tokenizer
         self.eos_token_id = loaded.eos_token_id
@@ -245,9 +251,12 @@ class LLMEngine:
                                  f"but the host has {free / 2**30:.1f} GiB free; lower "
                                  "kv_cache_memory_bytes or num_gpu_blocks_override")
         tokens = (num - 1) * cfg.block_size
-        logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB); maximum concurrency "
-                    "for %d-token requests: %.2fx", num, cfg.block_size, tokens,
-                    num * per_block / 2**30, cfg.max_model_len, tokens / cfg.max_model_len)
+        stored = "bfloat16" if self.dtype == kvq.BF16_BITS else jnp.dtype(self.dtype).name
+        logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB, %s %s); maximum "
+                    "concurrency for %d-token requests: %.2fx", num, cfg.block_size, tokens,
+                    num * per_block / 2**30, cfg.kv_cache_dtype, stored if cfg.kv_cache_dtype
+                    in ("auto", "bfloat16") else "with scales", cfg.max_model_len,
+                    tokens / cfg.max_model_len)
         if cfg.kv_cache_dtype != "auto":
             plain = kv_bytes_per_block(self.arch, cfg.block_size, self.policy.activation)
             logger.info("KV cache dtype %s: %.2fx the tokens of %s in the same memory",
