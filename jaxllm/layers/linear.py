@@ -14,11 +14,12 @@ reach 0.3-0.8x of it, and a bf16 weight widened to f32 before XLA's dot is writt
 first (8x slower at one row). The CPU kernel `jaxllm_bf16_*` (quantization/cpu) widens bf16
 weights in registers instead, reading each layer's matrix in place: 1.9x the f32 dot at 1-4
 rows (decode reads half the bytes), 1.5x at 8, 1.2x at 16-64, equal at 256
-(dots_stack_2026-11-24_cpu.json). From 16 rows the kernel rounds the activations to bf16 and
-multiplies pairs with vdpbf16ps from packed weight panels ([64, 576] x [576, 1536]: 157 -> 249
-GFLOP/s). So on a CPU where the kernels build (one device), `auto` and `bfloat16` are
-`CPU_BF16_POLICY`: bf16 weights, f32 element-wise work, f32 dots through the kernel (bf16
-activations in them from 16 rows). Elsewhere on a CPU (tensor parallelism, no
+(dots_stack_2026-11-24_cpu.json). From 16 rows the kernel multiplies bf16 activations by pairs
+with vdpbf16ps from packed weight panels ([64, 576] x [576, 1536]: 157 -> 249 GFLOP/s); the
+policy rounds activations to bf16 before every such dot, so a request computes the same
+numbers in any batch. So on a CPU where the kernels build (one device), `auto` and `bfloat16`
+are `CPU_BF16_POLICY`: bf16 weights, f32 element-wise work, bf16-rounded activations times
+bf16 weights in f32 through the kernel. Elsewhere on a CPU (tensor parallelism, no
 compiler) `auto` is f32 and `bfloat16` the same policy on XLA's slower dots; bf16 element-wise
 work is never used on a CPU (XLA:CPU runs it far slower). On a GPU `auto` and `bfloat16` are
 bf16 throughout.
@@ -39,16 +40,17 @@ class DTypePolicy:
     activation: Any   # element-wise work, norms' weights, biases, the KV cache
     dot: Any          # the operands' dtype inside a dot
     accum: Any        # the dot's accumulation (preferred_element_type)
-    # from this many rows a dot's activations are rounded to bf16 first (None: never): the
-    # CPU kernel then multiplies bf16 pairs (vdpbf16ps), twice an f32 FMA's products
-    bf16_rows: int | None = None
+    # a float weight's dot rounds its activations to bf16 first (the products are then exact
+    # in f32): the CPU kernel multiplies bf16 pairs (vdpbf16ps) at 16+ rows, and rounding at
+    # every row count keeps a request's numbers independent of how it was batched
+    round_to_bf16: bool = False
 
     def describe(self) -> str:
         n = jnp.dtype
         text = (f"{self.name}: weights {n(self.weight).name}, activations {n(self.activation).name}, "
                 f"dots {n(self.dot).name} accumulating in {n(self.accum).name}")
-        if self.bf16_rows is not None:
-            text += f" (activations rounded to bfloat16 at dots of {self.bf16_rows}+ rows)"
+        if self.round_to_bf16:
+            text += " (activations rounded to bfloat16 at float weights' dots)"
         return text
 
 
@@ -58,10 +60,10 @@ def uniform_policy(dtype) -> DTypePolicy:
     return DTypePolicy(jnp.dtype(d).name, d, d, d, d)
 
 
-# a CPU's bf16: bf16 storage, widened to f32 for the dots (at 16+ rows, bf16 activations times
-# bf16 weights in f32, as kernels.cc's kBf16PackedMinRows); f32 element-wise work
+# a CPU's bf16: bf16 storage, and bf16-rounded activations, multiplied in f32; f32
+# element-wise work
 CPU_BF16_POLICY = DTypePolicy("cpu-bfloat16", jnp.bfloat16, jnp.float32, jnp.float32, jnp.float32,
-                              bf16_rows=16)
+                              round_to_bf16=True)
 
 
 def resolve_policy(dtype: str, platform: str, devices: int = 1) -> DTypePolicy:
@@ -104,9 +106,7 @@ def linear(x: jax.Array, w, policy: DTypePolicy, bias: jax.Array | None = None,
     (jaxllm.quantization.qweight.QWeight, out-major, read by its own matmul). `lora(x, y)`
     (jaxllm.lora.ops) adds the adapters' delta to the output."""
     from jaxllm.quantization.qweight import QWeight, matmul
-    if (policy.bf16_rows is not None and not isinstance(w, QWeight)
-            and x.size // x.shape[-1] >= policy.bf16_rows):
-        # what the kernel computes at this many rows, on every path
+    if policy.round_to_bf16 and not isinstance(w, QWeight):
         x = x.astype(jnp.bfloat16).astype(jnp.float32)
     if isinstance(w, QWeight):
         y = matmul(x, w, policy)

@@ -977,8 +977,8 @@ void round_bf16(const float*, int64_t, uint16_t*) {}
 
 #endif
 
-// from this many activation rows the bf16 weights multiply activations rounded to bf16
-// (jaxllm.layers.linear rounds them the same way on its XLA path)
+// from this many activation rows the bf16 weights multiply activations rounded to bf16 (the
+// engine's bf16 policy rounds them before every dot, so there both paths see the same values)
 constexpr int64_t kBf16PackedMinRows = 16;
 
 ffi::Error Bf16Impl(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::BF16>& w,
