@@ -117,9 +117,11 @@ def test_bf16_cache_kept_as_bits():
                                   np.asarray(attend(q, rounded, layer, md, scale))[:real])
 
 
-def test_cpu_engine_stores_a_bf16_cache_as_bits(tiny_llama, caplog):
-    """kv_cache_dtype="bfloat16" on a CPU: a uint16 cache of bf16 bits, twice the tokens of the
-    f32 cache "auto" keeps (the log says so); the tokens stay close to the f32 cache's."""
+def test_cpu_engine_stores_a_bf16_cache_as_bits(tiny_llama, default_llm, caplog):
+    """kv_cache_dtype="bfloat16" on a CPU: a uint16 cache of bf16 bits, twice the tokens of an
+    f32 cache (the log says so); the tokens stay close to the f32 cache's. "auto" is the same
+    for a float checkpoint under the CPU's bf16 policy (as vLLM's auto: the weights' dtype),
+    and f32 under float32 and for quantized weights (the default model)."""
     import logging
 
     from conftest import SMALL_ENGINE
@@ -129,11 +131,15 @@ def test_cpu_engine_stores_a_bf16_cache_as_bits(tiny_llama, caplog):
                    **SMALL_ENGINE)
     assert "KV cache dtype bfloat16: 2.00x the tokens of float32" in caplog.text
     assert half.llm_engine.runner.kv_cache.dtype == jnp.uint16
-    auto = LLM(tiny_llama, kv_cache_memory_bytes=1 << 22, **SMALL_ENGINE)
-    assert auto.llm_engine.runner.kv_cache.dtype == jnp.float32
-    assert half.llm_engine.kv_manager.pool.num_blocks >= 2 * auto.llm_engine.kv_manager.pool.num_blocks - 1
+    auto = LLM(tiny_llama, kv_cache_memory_bytes=1 << 22, warmup=False, **SMALL_ENGINE)
+    assert auto.llm_engine.runner.kv_cache.dtype == jnp.uint16
+    assert auto.llm_engine.kv_manager.pool.num_blocks == half.llm_engine.kv_manager.pool.num_blocks
+    assert default_llm.llm_engine.runner.kv_cache.dtype == jnp.float32
+    full = LLM(tiny_llama, dtype="float32", kv_cache_memory_bytes=1 << 22, **SMALL_ENGINE)
+    assert full.llm_engine.runner.kv_cache.dtype == jnp.float32
+    assert half.llm_engine.kv_manager.pool.num_blocks >= 2 * full.llm_engine.kv_manager.pool.num_blocks - 1
     p = SamplingParams(temperature=0.0, max_tokens=8, logprobs=0, ignore_eos=True)
     a = half.generate([[5, 6, 7, 8, 9]], p, use_tqdm=False)[0].outputs[0]
-    b = auto.generate([[5, 6, 7, 8, 9]], p, use_tqdm=False)[0].outputs[0]
+    b = full.generate([[5, 6, 7, 8, 9]], p, use_tqdm=False)[0].outputs[0]
     assert a.token_ids[0] == b.token_ids[0]
     assert abs(a.logprobs[0][a.token_ids[0]].logprob - b.logprobs[0][b.token_ids[0]].logprob) < 0.05
