@@ -187,13 +187,16 @@ def test_essential_shapes_are_few_and_hold_every_step():
     cpu = StepShapes(make_buckets(16, 512), make_buckets(1, 64), decode_buckets=(1, 2, 4, 8))
     assert cpu.essential == [(1, 1), (4, 4), (16, 16), (64, 64), (512, 64)]
     gpu = StepShapes(make_buckets(16, 8192, linear_from=1024), make_buckets(1, 256))
-    assert gpu.essential == [(16, 16), (64, 64), (256, 256), (8192, 256)]
-    for shapes in (cpu, gpu):
-        assert set(shapes.essential) <= set(shapes.all)
-        assert shapes.all[-1] in shapes.essential and len(shapes.essential) * 4 < len(shapes.all)
+    assert gpu.essential == [(16, 2), (16, 4), (16, 16), (64, 64), (256, 256), (8192, 256)]
+    # few sequences and many tokens: no square shape at all
+    few = StepShapes(make_buckets(16, 8192, linear_from=1024), make_buckets(1, 8))
+    assert few.essential == [(16, 2), (16, 8), (8192, 8)]
+    for shapes in (cpu, gpu, few):
+        assert set(shapes.essential) <= set(shapes.all) and shapes.all[-1] in shapes.essential
+        assert len(shapes.essential) * 3 < len(shapes.all)
         for seqs in range(1, shapes.seq_buckets[-1] + 1):
-            square = min(t for t, s in shapes.essential if t == s and s >= seqs)
-            assert square <= 4 * shapes.pick(seqs, seqs)[0]
+            t, s = min((t, s) for t, s in shapes.essential if s >= seqs and t >= seqs)
+            assert t <= 4 * shapes.pick(seqs, seqs)[0] and s <= 4 * shapes.pick(seqs, seqs)[1]
 
 
 def test_max_loras_per_step_base_requests_go_on_no_adapter_starves():

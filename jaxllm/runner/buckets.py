@@ -62,10 +62,10 @@ class StepShapes:
     @property
     def essential(self) -> list[tuple[int, int]]:
         """The shapes compiled before serving when the rest compile in the background: the
-        largest (any step fits it) and every other square (decode) shape from the largest
-        down, so a decode batch pads to at most four times its size meanwhile."""
-        squares = [(t, t) for t in self.token_buckets if t in self.seqs_for[t]]
-        return sorted(set(squares[::-1][::2]) | {self.all[-1]})
+        largest (any step fits it) and the decode shapes of every other sequence bucket from
+        the largest down, so a decode batch pads to at most four times its sequences meanwhile."""
+        decode = {self.pick(s, s) for s in self.seq_buckets[::-1][::2]}
+        return sorted(decode | {self.all[-1]})
 
     def pick(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
         """The smallest compiled (T, S) holding num_tokens tokens in num_seqs sequences."""

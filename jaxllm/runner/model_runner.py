@@ -412,11 +412,15 @@ class ModelRunner:
     def _compile_jobs(self, shapes) -> list:
         """(table, key, compile) for the forward passes of `shapes` and their samplings that
         are not compiled yet."""
-        jobs = [(self._compiled, s, partial(self._compile, *s))
-                for s in shapes if s not in self._compiled]
-        keys = sorted({self.sample_key(*s) for s in shapes})
-        return jobs + [(self._compiled_sample, k, partial(self._compile_sample, k))
-                       for k in keys if k not in self._compiled_sample]
+        jobs, keys = [], set()
+        for s in shapes:  # each shape's sampling right after it: usable as soon as both are
+            if s not in self._compiled:
+                jobs.append((self._compiled, s, partial(self._compile, *s)))
+            k = self.sample_key(*s)
+            if k not in self._compiled_sample and k not in keys:
+                keys.add(k)
+                jobs.append((self._compiled_sample, k, partial(self._compile_sample, k)))
+        return jobs
 
     def compile_all(self, progress: bool = True, background: bool = False) -> float:
         """Compile every step shape before returning, or with `background` only the essential
@@ -481,9 +485,10 @@ class ModelRunner:
 
     def pick_shape(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
         """The step shape of num_tokens tokens in num_seqs sequences: the smallest bucket, or
-        while shapes compile in the background the smallest compiled one that holds them."""
+        after compile_all(background=True), until that bucket is compiled (or if its compile
+        failed), the smallest compiled one that holds them: a step never compiles."""
         shape = self.shapes.pick(num_tokens, num_seqs)
-        if self._background is None or not self._background.is_alive() or self._ready(shape):
+        if self._background is None or self._ready(shape):
             return shape
         buckets = self.shapes.token_buckets
         for t in buckets[buckets.index(shape[0]):]:
