@@ -34,6 +34,25 @@ def test_defaults_and_normalisation():
         SamplingParams(min_tokens=5, max_tokens=3)
 
 
+@pytest.mark.parametrize("V", [100, 3 * S.ARGMAX_CHUNK, 5000])
+def test_two_pass_argmax_equals_argmax(V):
+    """The chunked argmax returns jnp.argmax's index: the first maximum, ties across and
+    inside chunks, rows of -inf, NaN (the first NaN), a vocabulary the chunk does not divide
+    (padded)."""
+    rng = np.random.default_rng(V)
+    x = rng.standard_normal((8, V)).astype(np.float32)
+    x[1, [7, V - 3]] = 50.0               # a tie far apart: the first wins
+    x[2, [V // 2, V // 2 + 1]] = 50.0     # a tie inside one chunk
+    x[3] = -np.inf
+    x[4, [V // 3, V - 1]] = np.nan
+    x[5, V - 1] = 60.0                    # in the padded last chunk
+    x[6] = np.round(x[6])                 # many ties
+    got = np.asarray(jax.jit(S.argmax)(jnp.asarray(x)))
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(x), axis=-1)))
+    assert got[1] == 7 and got[2] == V // 2 and got[4] == V // 3 and got[5] == V - 1
+
+
 # the sampler on its own
 def metadata(num_rows: int, vocab_rows=None, **cols) -> S.SamplingMetadata:
     n = num_rows

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.runner.sampler import (MAX_BANNED, SamplerState, SamplingMetadata, _logprob_stats,
-                                   filter_logits, process_logits, sample)
+                                   argmax, filter_logits, process_logits, sample)
 from jaxllm.sampling_params import GREEDY_EPS, MAX_LOGPROBS
 
 ACCEPT_STREAM, RESIDUAL_STREAM, DRAFT_STREAM = 1, 2, 3
@@ -139,8 +139,7 @@ def _probabilistic_decisions(raw_v, md_v, state, drafts, q, prob_rows):
     residual = jnp.maximum(p - q, 0.0)
     gumbel = jax.vmap(lambda s, i: jax.random.gumbel(_stream_key(s, i, RESIDUAL_STREAM), (V,)))(
         md_v.seeds, md_v.gen_index)
-    recovered = jnp.argmax(jnp.where(residual > 0, jnp.log(residual) + gumbel, -jnp.inf),
-                           axis=-1).astype(jnp.int32)
+    recovered = argmax(jnp.where(residual > 0, jnp.log(residual) + gumbel, -jnp.inf))
     return jnp.where(prob_rows, accept, False), recovered
 
 

@@ -24,6 +24,29 @@ from jaxllm.sampling_params import GREEDY_EPS, MAX_LOGPROBS
 MAX_BANNED = 16     # tokens banned per row and step by multi-token bad words
 PROMPT_LP_CHUNK = 256
 _NEG_INF = -jnp.inf
+ARGMAX_CHUNK = 1024  # entries per chunk of the two-pass argmax
+
+
+def argmax(x: jax.Array) -> jax.Array:
+    """jnp.argmax over the last axis of [S, V] (the first maximum) as int32, in two passes: the
+    maximum of each chunk of 1024 entries, then the argmax inside the winning chunk. XLA:CPU's
+    one-pass argmax is a scalar loop: 7.0 ms for [64, 49152] against 0.6 ms for this. The pad
+    (only when V is not a multiple of the chunk) is -inf, which never wins over a real entry.
+    NaN counts as +inf, as jnp.argmax counts it as the maximum."""
+    S, V = x.shape
+    C = ARGMAX_CHUNK
+    if V <= 2 * C:
+        return jnp.argmax(x, axis=-1).astype(jnp.int32)
+    if V % C:
+        x = jnp.pad(x, ((0, 0), (0, C - V % C)), constant_values=-jnp.inf)
+    xc = x.reshape(S, -1, C)
+    # XLA:CPU's max may skip NaN; a chunk's sum is NaN if it holds a NaN (or both infinities,
+    # when its maximum is +inf anyway): one cheap pass instead of an isnan over every entry
+    top = jnp.where(jnp.isnan(xc.sum(-1)), jnp.inf, xc.max(-1))
+    chunk = jnp.argmax(top, axis=-1)
+    inside = jnp.take_along_axis(xc, chunk[:, None, None], axis=1)[:, 0]
+    inside = jnp.where(jnp.isnan(inside), jnp.inf, inside)
+    return (chunk * C + jnp.argmax(inside, axis=-1)).astype(jnp.int32)
 
 
 @jax.tree_util.register_dataclass
@@ -184,7 +207,7 @@ def sample(logits: jax.Array, md: SamplingMetadata, state: SamplerState, bitmask
     raw = logits
     logits = process_logits(logits, md, state)
     greedy_mask = md.temperature < GREEDY_EPS
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = argmax(logits)
 
     def random_tokens(logits):
         temp = jnp.where(greedy_mask, 1.0, md.temperature)
@@ -193,7 +216,7 @@ def sample(logits: jax.Array, md: SamplingMetadata, state: SamplerState, bitmask
                               md.top_k, md.top_p, md.min_p)
         keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(md.seeds, md.gen_index)
         gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (V,), jnp.float32))(keys)
-        return jnp.argmax(scaled + gumbel, axis=-1).astype(jnp.int32)
+        return argmax(scaled + gumbel)
 
     sampled = jax.lax.cond(md.any_random, random_tokens, lambda _: greedy, logits)
     tokens = jnp.where(greedy_mask, greedy, sampled)

@@ -35,7 +35,7 @@ from jaxllm.quantization import kv as kvq
 from jaxllm.runner import executable_cache
 from jaxllm.runner.block_ops import BlockOps
 from jaxllm.runner.rejection_sampler import DRAFT_STREAM, _stream_key
-from jaxllm.runner.sampler import filter_logits, process_logits
+from jaxllm.runner.sampler import argmax, filter_logits, process_logits
 from jaxllm.sampling_params import GREEDY_EPS
 
 logger = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ def _draft_tokens(raw, md, state, probabilistic: bool):
     tokens, min_tokens): the argmax, or for random rows a draw from q (temperature, top-k/p,
     min-p) with the row's key for that output index."""
     logits = process_logits(raw, md, state)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = argmax(logits)
     if not probabilistic:
         return greedy, None
     V = raw.shape[-1]
@@ -74,7 +74,7 @@ def _draft_tokens(raw, md, state, probabilistic: bool):
     q = jax.nn.softmax(scaled, axis=-1)
     gumbel = jax.vmap(lambda s, i: jax.random.gumbel(_stream_key(s, i, DRAFT_STREAM), (V,)))(
         md.seeds, md.gen_index)
-    drawn = jnp.argmax(scaled + gumbel, axis=-1).astype(jnp.int32)
+    drawn = argmax(scaled + gumbel)
     return jnp.where(is_greedy, greedy, drawn), q
 
 
