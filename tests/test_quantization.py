@@ -197,6 +197,43 @@ def test_cpu_bf16_kernel_matches_numpy(out_major):
     assert rel(got, x @ (wf[1].T if out_major else wf[1])) < 1e-5
 
 
+@pytest.mark.parametrize("case", ["int4 g64", "int4 g32 int8 blocks", "int8 g16 with offsets", "w8a8",
+                                  "w8a8 smooth", "bf16 in_out", "bf16 out_in"])
+def test_cpu_kernels_multiply_only_the_real_rows(case):
+    """A step padded to its bucket tells the kernels how many leading rows are real: their
+    result is exactly that of the real rows alone (the same path: from 16 rows the bf16 kernel
+    packs, from 8 the w8a8 one), and the padded rows come back as zeros, whatever they hold."""
+    from jaxllm.quantization import cpu
+    if not cpu.available():
+        pytest.fail("the CPU kernels did not build here (see the warning)")
+    N, K, M = 96, 192, 64
+    if case.startswith("bf16"):
+        out_major = case.endswith("out_in")
+        w = jnp.asarray(RNG.standard_normal((3, N, K) if out_major else (3, K, N)), jnp.bfloat16)
+
+        def run(x, rows):
+            return cpu.dense_bf16(x, w, jnp.int32(2), out_major, rows)
+    else:
+        h = CASES.get(case, CASES["int8 per channel"])(RNG.standard_normal((3, N, K)).astype(np.float32))
+        act = "int8" if case.startswith("w8a8") else "int8_block" if "int8 blocks" in case else "none"
+        smooth = jnp.asarray(RNG.uniform(0.5, 2.0, (3, K)).astype(np.float32)) if "smooth" in case else None
+        qw = QWeight(*[None if a is None else jnp.asarray(a) for a in (h.q, h.scale, h.offset)],
+                     smooth, jnp.int32(2), act, "cpu")
+
+        def run(x, rows):
+            return cpu.matmul(x, qw, rows)
+    f = jax.jit(run)
+    x = RNG.standard_normal((M, K)).astype(np.float32) * 3
+    for rows in (0, 1, 7, 8, 15, 16, 17, 40, M):
+        got = np.asarray(f(x, jnp.int32(rows)))
+        assert got.shape == (M, N)
+        assert not got[rows:].any(), (case, rows)
+        if rows:
+            alone = np.asarray(jax.jit(lambda x: run(x, None))(x[:rows]))
+            np.testing.assert_array_equal(got[:rows], alone, err_msg=f"{case} rows={rows}")
+    np.testing.assert_array_equal(np.asarray(f(x, jnp.int32(M + 5))), np.asarray(f(x, jnp.int32(M))))
+
+
 @pytest.mark.parametrize("kind,group,N,K,M", [("int4", 32, 96, 128, 5), ("int4", 128, 64, 256, 20),
                                                ("int8", 16, 64, 64, 3), ("int8", 32, 48, 96, 17)])
 def test_pallas_group_quantized_matmul(kind, group, N, K, M):

@@ -100,19 +100,21 @@ class DenseWeight:
 
 
 def linear(x: jax.Array, w, policy: DTypePolicy, bias: jax.Array | None = None,
-           lora=None) -> jax.Array:
+           lora=None, rows=None) -> jax.Array:
     """x[..., in] @ w (+ bias) in the policy's dtypes; returns `policy.activation`. w is a
     float [in, out] array, a DenseWeight (the CPU bf16 kernel) or a quantized weight
     (jaxllm.quantization.qweight.QWeight, out-major, read by its own matmul). `lora(x, y)`
-    (jaxllm.lora.ops) adds the adapters' delta to the output."""
+    (jaxllm.lora.ops) adds the adapters' delta to the output. rows (a traced scalar): only
+    the first `rows` rows of x [T, in] are real, the rest pad the step to its bucket; the CPU
+    kernels then skip the padding (its outputs are not meaningful), XLA's dots compute it."""
     from jaxllm.quantization.qweight import QWeight, matmul
     if policy.round_to_bf16 and not isinstance(w, QWeight):
         x = x.astype(jnp.bfloat16).astype(jnp.float32)
     if isinstance(w, QWeight):
-        y = matmul(x, w, policy)
+        y = matmul(x, w, policy, rows)
     elif isinstance(w, DenseWeight):
         from jaxllm.quantization import cpu
-        y = cpu.dense_bf16(x, w.w, w.layer, w.out_major)
+        y = cpu.dense_bf16(x, w.w, w.layer, w.out_major, rows)
     elif policy.accum == policy.dot:
         y = jnp.dot(x.astype(policy.dot), w.astype(policy.dot))
     else:

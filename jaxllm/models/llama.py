@@ -225,8 +225,9 @@ class LlamaForCausalLM(nnx.Module):
         self.norm = param("norm")
         self.lm_head = param("lm_head") if "lm_head" in specs else None
 
-    def compute_logits(self, h: jax.Array) -> jax.Array:
-        """Final-normed hidden states [N, E] -> logits [N, V] in f32."""
+    def compute_logits(self, h: jax.Array, rows=None) -> jax.Array:
+        """Final-normed hidden states [N, E] -> logits [N, V] in f32. rows: how many leading
+        rows are real (padded ones may come back as anything)."""
         head = self.lm_head if self.lm_head is not None else self.embed_tokens
         if isinstance(head, QParam):  # quantized matrices are out-major: the table itself
             head = head.weight()
@@ -236,7 +237,7 @@ class LlamaForCausalLM(nnx.Module):
             head = head[...].T
         else:
             head = head[...]
-        logits = linear(h, head, self.policy).astype(jnp.float32)
+        logits = linear(h, head, self.policy, rows=rows).astype(jnp.float32)
         return logits[:, :self.cfg.vocab_size] if self.cfg.vocab_pad else logits
 
     def rope(self):
@@ -254,6 +255,7 @@ class LlamaForCausalLM(nnx.Module):
         eps = cfg.rms_norm_eps
         inv_freq, mscale = self.rope()
         scale = D ** -0.5
+        real = md.query_start_loc[-1]  # tokens before the bucket's padding: linear skips the rest
         if isinstance(self.embed_tokens, QParam):
             x = embed_rows(self.embed_tokens.weight(), input_ids, pol.activation)
         else:
@@ -266,7 +268,7 @@ class LlamaForCausalLM(nnx.Module):
                 return None if lora is None else lora.hook(site, w["lora"], pol)
 
             h = rms_norm(x, w["input_norm"], eps)
-            qkv = linear(h, w["wqkv"], pol, w.get("bqkv"), adapters("wqkv"))
+            qkv = linear(h, w["wqkv"], pol, w.get("bqkv"), adapters("wqkv"), real)
             q, k, v = split_device_major(qkv, [H * D, K * D, K * D], tp)
             q, k, v = q.reshape(T, H, D), k.reshape(T, K, D), v.reshape(T, K, D)
             if cfg.qk_norm:
@@ -275,12 +277,12 @@ class LlamaForCausalLM(nnx.Module):
             k = apply_rope(k, md.positions, inv_freq, mscale)
             o, kv = attention_block(q, k, v, kv, i, md, scale, cfg.sliding_window,
                                     self.attention_backend, self.mesh)
-            x = x + linear(o.reshape(T, H * D), w["wo"], pol, w.get("bo"), adapters("wo"))
+            x = x + linear(o.reshape(T, H * D), w["wo"], pol, w.get("bo"), adapters("wo"), real)
             h = rms_norm(x, w["post_norm"], eps)
             gate, up = split_device_major(linear(h, w["w_gate_up"], pol, w.get("b_gate_up"),
-                                                 adapters("w_gate_up")), [F, F], tp)
+                                                 adapters("w_gate_up"), real), [F, F], tp)
             x = x + linear(jax.nn.silu(gate) * up, w["w_down"], pol, w.get("b_down"),
-                           adapters("w_down"))
+                           adapters("w_down"), real)
             return (x, kv, i + 1), None
 
         weights = self.layers.weights()

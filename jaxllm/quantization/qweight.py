@@ -145,10 +145,11 @@ def matmul_pallas(x: jax.Array, w: QWeight, policy, interpret: bool) -> jax.Arra
     return y.reshape(*lead, w.out_features)
 
 
-def matmul(x: jax.Array, w: QWeight, policy) -> jax.Array:
+def matmul(x: jax.Array, w: QWeight, policy, rows=None) -> jax.Array:
+    """rows: how many leading rows of x are real; the CPU kernels skip the others (zeros)."""
     if w.backend == "cpu" and w.kind != "fp8":  # the CPU kernels have no fp8 (XLA emulates it)
         from jaxllm.quantization import cpu
-        return cpu.matmul(x, w)
+        return cpu.matmul(x, w, rows)
     grouped = w.kind == "int4" or (w.kind == "int8" and w.group < w.in_features)
     if w.backend.startswith("pallas") and grouped and w.act == "none" and w.smooth is None:
         return matmul_pallas(x, w, policy, interpret=w.backend == "pallas_interpret")

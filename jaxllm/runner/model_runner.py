@@ -168,7 +168,7 @@ def build_forward(graphdef, vocab: int, state_sharding, kv_sharding, replicated,
             (weights, token_slots), = adapters
             lora_in = LoRAInputs.of(weights, token_slots, lora[1], lora[2])
         hidden, kv_cache = model(kv_cache, input_ids, md, lora=lora_in)
-        logits = model.compute_logits(hidden[logits_indices])
+        logits = model.compute_logits(hidden[logits_indices], jnp.sum(md.seq_lens > 0))
         T, k = hidden.shape[0], min(MAX_LOGPROBS, vocab)
         zeros = (jnp.zeros(T, jnp.float32), jnp.zeros(T, jnp.int32),
                  jnp.zeros((T, k), jnp.int32), jnp.zeros((T, k), jnp.float32))

@@ -110,13 +110,23 @@ def prepare_async() -> threading.Thread:
     return t
 
 
-def matmul(x: jax.Array, w) -> jax.Array:
-    """x [.., K] @ W^T -> [.., N] f32 through the kernels; w is a QWeight."""
+def _index(layer, rows) -> jax.Array:
+    """The kernels' int32 index operand: [layer, rows], rows = how many leading rows of x are
+    real (None: all of them)."""
+    layer = jnp.asarray(0 if layer is None else layer, jnp.int32)
+    if rows is None:
+        return layer
+    return jnp.stack([layer, jnp.asarray(rows, jnp.int32)])
+
+
+def matmul(x: jax.Array, w, rows=None) -> jax.Array:
+    """x [.., K] @ W^T -> [.., N] f32 through the kernels; w is a QWeight. rows: only the first
+    `rows` rows of x (flattened) are real, the others are padding: their outputs are zeros."""
     lead, K = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, K).astype(jnp.float32)
     stack = (lambda a: a) if w.layer is not None else (lambda a: None if a is None else a[None])
     q, scale, offset, smooth = stack(w.q), stack(w.scale), stack(w.offset), stack(w.smooth)
-    layer = jnp.asarray(0 if w.layer is None else w.layer, jnp.int32)
+    layer = _index(w.layer, rows)
     N = q.shape[1]
     out = jax.ShapeDtypeStruct((x2.shape[0], N), jnp.float32)
     if w.act == "int8":
@@ -133,15 +143,15 @@ def matmul(x: jax.Array, w) -> jax.Array:
     return y.reshape(*lead, N)
 
 
-def dense_bf16(x: jax.Array, w: jax.Array, layer=None, out_major: bool = False) -> jax.Array:
+def dense_bf16(x: jax.Array, w: jax.Array, layer=None, out_major: bool = False,
+               rows=None) -> jax.Array:
     """x [.., K] @ a bf16 matrix -> [.., N] f32, widening the weights in registers. w: a stack
     [L, K, N] read at `layer` in place (no slice copied), or one matrix [K, N]; out_major: the
-    matrix is [N, K] (a tied embedding table as the head)."""
+    matrix is [N, K] (a tied embedding table as the head); rows: as in `matmul`."""
     lead, K = x.shape[:-1], x.shape[-1]
     w3 = w if layer is not None else w[None]
     N = w3.shape[1] if out_major else w3.shape[2]
     out = jax.ShapeDtypeStruct((prod(lead), N), jnp.float32)
     target = "jaxllm_bf16_out_in" if out_major else "jaxllm_bf16_in_out"
-    idx = jnp.asarray(0 if layer is None else layer, jnp.int32)
-    y = jax.ffi.ffi_call(target, out)(x.reshape(-1, K).astype(jnp.float32), w3, idx)
+    y = jax.ffi.ffi_call(target, out)(x.reshape(-1, K).astype(jnp.float32), w3, _index(layer, rows))
     return y.reshape(*lead, N)

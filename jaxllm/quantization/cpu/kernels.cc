@@ -13,8 +13,9 @@
 //                   widens in registers. in_out: [L, K, N] (the layers' stacks), out_in: [N, K]
 //                   (a tied embedding table as the head).
 //
-// Weights are stacks [L, N, K'] (out-major, formats.py) and a scalar layer index picks one,
-// so no slice of the stack is ever copied. int4: uint8 [L, N, K/2], two codes per byte in
+// Weights are stacks [L, N, K'] (out-major, formats.py) and a layer index picks one, so no
+// slice of the stack is ever copied; the index operand [layer, rows] also says how many
+// leading rows of x are real (a step padded to its bucket: the rest come back as zeros). int4: uint8 [L, N, K/2], two codes per byte in
 // blocks of 32 (byte j: code j low, code j + 16 high); int8: int8 [L, N, K]; scale and offset
 // float16 or float32 [L, N, K/G]. Rows of N are split over XLA's intra-op thread pool.
 #include <algorithm>
@@ -376,9 +377,24 @@ void q8_rows(const QMat& w, const Q8Act& a, int64_t M, int64_t n0, int64_t n1, f
 
 #endif
 
-ffi::Error check_layer(int64_t layer, int64_t L) {
-  if (layer < 0 || layer >= L) return ffi::Error::InvalidArgument("layer index out of range");
+// The int32 index operand: [layer] or [layer, rows]. `rows` is how many leading rows of x are
+// real (a padded step bucket: the rest are padding nobody reads); only those are multiplied,
+// and the others come back as zeros.
+struct Index {
+  int64_t layer, rows;
+};
+
+ffi::Error read_index(const ffi::Buffer<ffi::S32>& b, int64_t L, int64_t M, Index* out) {
+  const int32_t* p = b.typed_data();
+  out->layer = p[0];
+  out->rows = b.element_count() >= 2 ? std::clamp<int64_t>(p[1], 0, M) : M;
+  if (out->layer < 0 || out->layer >= L) return ffi::Error::InvalidArgument("layer index out of range");
   return ffi::Error::Success();
+}
+
+// zeros for the padded rows [rows, M) of y [M, N]
+void zero_rows(float* y, int64_t rows, int64_t M, int64_t N) {
+  if (rows < M) std::memset(y + rows * N, 0, sizeof(float) * (M - rows) * N);
 }
 
 bool scale_type(const ffi::AnyBuffer& b, bool* f16) {
@@ -402,14 +418,15 @@ ffi::Error QmmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer
   const bool int4 = q.element_type() == ffi::DataType::U8;
   if (!int4 && q.element_type() != ffi::DataType::S8)
     return ffi::Error::InvalidArgument("qmm: codes must be uint8 (int4) or int8");
-  const int64_t M = xd[0], K = xd[1], L = qd[0], N = qd[1];
+  const int64_t K = xd[1], L = qd[0], N = qd[1];
   if (qd[2] * (int4 ? 2 : 1) != K || K % 32 || sd[1] != N || K % sd[2] || (K / sd[2]) % 16)
     return ffi::Error::InvalidArgument("qmm: shapes do not match");
   bool f16 = false, f16o = false;
   if (!scale_type(scale, &f16) || (offset && (!scale_type(*offset, &f16o) || f16o != f16)))
     return ffi::Error::InvalidArgument("qmm: scale and offset must both be float16 or float32");
-  const int64_t l = *layer.typed_data();
-  if (auto e = check_layer(l, L); e.failure()) return e;
+  Index ix;
+  if (auto e = read_index(layer, L, xd[0], &ix); e.failure()) return e;
+  const int64_t l = ix.layer, M = ix.rows;
   QMat w;
   w.int4 = int4;
   w.N = N;
@@ -421,6 +438,8 @@ ffi::Error QmmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer
   if (offset) w.offset = scales_at(*offset, f16, l * N * sd[2]);
   const float* xp = x.typed_data();
   float* yp = y->typed_data();
+  zero_rows(yp, M, xd[0], N);
+  if (M == 0) return ffi::Error::Success();
   if (q8) {
     if (!int4 || K % 64 || w.G % 32)
       return ffi::Error::InvalidArgument("qmm_q8: int4 codes, K a multiple of 64 and groups of 32s");
@@ -701,11 +720,12 @@ ffi::Error W8A8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   auto xd = x.dimensions(), qd = q.dimensions(), sd = scale.dimensions();
   if (xd.size() != 2 || qd.size() != 3 || sd.size() != 3)
     return ffi::Error::InvalidArgument("w8a8: x must be [M, K], q and scale [L, N, *]");
-  const int64_t M = xd[0], K = xd[1], L = qd[0], N = qd[1];
+  const int64_t K = xd[1], L = qd[0], N = qd[1];
   if (qd[2] != K || sd[1] != N || sd[2] != 1)
     return ffi::Error::InvalidArgument("w8a8: shapes do not match (per-channel scales)");
-  const int64_t l = *layer.typed_data();
-  if (auto e = check_layer(l, L); e.failure()) return e;
+  Index ix;
+  if (auto e = read_index(layer, L, xd[0], &ix); e.failure()) return e;
+  const int64_t l = ix.layer, M = ix.rows;
   const int8_t* w = q.typed_data() + l * N * K;
   bool f16 = false;
   if (!scale_type(scale, &f16)) return ffi::Error::InvalidArgument("w8a8: scale must be float16 or float32");
@@ -715,6 +735,8 @@ ffi::Error W8A8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   for (int64_t n = 0; n < N; ++n) (*wsv)[n] = sc[n];
   const float* ws = wsv->data();
   const float* sm = smooth ? smooth->typed_data() + l * K : nullptr;
+  zero_rows(y->typed_data(), M, xd[0], N);
+  if (M == 0) return ffi::Error::Success();
   auto xu = std::make_shared<std::vector<uint8_t>>(M * K);
   auto xs = std::make_shared<std::vector<float>>(M);
   const float* xp = x.typed_data();
@@ -986,15 +1008,18 @@ ffi::Error Bf16Impl(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer
   auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 3)
     return ffi::Error::InvalidArgument("bf16 matmul: x must be [M, K], w [L, *, *]");
-  const int64_t M = xd[0], K = xd[1], L = wd[0];
+  const int64_t K = xd[1], L = wd[0];
   const int64_t N = in_out ? wd[2] : wd[1];
   if ((in_out ? wd[1] : wd[2]) != K)
     return ffi::Error::InvalidArgument("bf16 matmul: shapes do not match");
-  const int64_t l = *layer.typed_data();
-  if (auto e = check_layer(l, L); e.failure()) return e;
+  Index ix;
+  if (auto e = read_index(layer, L, xd[0], &ix); e.failure()) return e;
+  const int64_t l = ix.layer, M = ix.rows;
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.typed_data()) + l * K * N;
   const float* xp = x.typed_data();
   float* yp = y->typed_data();
+  zero_rows(yp, M, xd[0], N);
+  if (M == 0) return ffi::Error::Success();
   if (kBf16Packed && M >= kBf16PackedMinRows && K % 2 == 0 && N % 16 == 0) {
     auto xb = std::make_shared<std::vector<uint16_t>>(M * K);
     round_bf16(xp, M * K, xb->data());
