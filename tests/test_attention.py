@@ -22,12 +22,15 @@ CASES = {
 def _check(q, cache, layer, md, window=None, soft_cap=None, padded_tokens=0):
     md = jax.tree.map(jnp.asarray, md)
     scale = q.shape[-1] ** -0.5
-    got = jax.jit(paged_attention_xla, static_argnums=(4, 5, 6))(q, cache, layer, md, scale,
-                                                                  window, soft_cap)
     want = ragged_paged_attention_ref(q, cache, layer, md.positions, md.token_seq_ids,
                                       md.block_tables, md.block_size, scale, window, soft_cap)
     real = int(md.query_start_loc[-1])
-    np.testing.assert_allclose(np.asarray(got)[:real], np.asarray(want)[:real], rtol=2e-5, atol=2e-5)
+    # the decode pass in XLA and in the CPU kernel (which reads the cache in place)
+    for use_kernel in (False, True):
+        got = jax.jit(paged_attention_xla, static_argnums=(4, 5, 6, 7))(
+            q, cache, layer, md, scale, window, soft_cap, use_kernel)
+        np.testing.assert_allclose(np.asarray(got)[:real], np.asarray(want)[:real], rtol=2e-5,
+                                   atol=2e-5, err_msg=f"use_kernel={use_kernel}")
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -57,6 +60,28 @@ def test_soft_cap():
 def test_gqa_ratio_three_head_dim_128():
     q, cache, layer, md = make_case(CASES["mixed"], heads=9, kv_heads=3, head_dim=128, block_size=8)
     _check(q, cache, layer, md)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (16, 1, 32), (4, 2, 96), (6, 3, 80)])
+def test_bf16_bits_cache_and_head_shapes(heads, kv_heads, head_dim):
+    """A bf16 cache held as uint16 bits (the CPU's bf16 policy), read by both decode paths, and
+    the kernel's head shapes: groups of 3 (SmolLM2), 16 (more than its vector path holds: the
+    scalar loop), head dims 32 and 96 (other vector widths), 80 (not a multiple of 16)."""
+    from jaxllm.quantization import kv as kvq
+    seqs = CASES["mixed"] + [(130, 40), (17, 1), (64, 1)]
+    q, cache, layer, md = make_case(seqs, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                                    seed=heads + head_dim)
+    bits = jax.lax.bitcast_convert_type(cache.astype(jnp.bfloat16), kvq.BF16_BITS)
+    md = jax.tree.map(jnp.asarray, md)
+    scale = head_dim ** -0.5
+    want = ragged_paged_attention_ref(q, kvq.dequantize(bits), layer, md.positions, md.token_seq_ids,
+                                      md.block_tables, md.block_size, scale)
+    real = int(md.query_start_loc[-1])
+    for use_kernel in (False, True):
+        got = jax.jit(paged_attention_xla, static_argnums=(4, 5, 6, 7))(
+            q, bits, layer, md, scale, None, None, use_kernel)
+        np.testing.assert_allclose(np.asarray(got)[:real], np.asarray(want)[:real], rtol=2e-5,
+                                   atol=2e-5, err_msg=f"use_kernel={use_kernel}")
 
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])

@@ -93,6 +93,25 @@ def _chunk_slots(table_rows: jax.Array, c: jax.Array, chunk: int, bs: int) -> ja
     return slots.reshape(*blocks.shape[:-1], chunk)
 
 
+def _window_start(md, window) -> jax.Array:
+    """[S] the first context position each sequence's last token sees."""
+    if window is None:
+        return jnp.zeros_like(md.seq_lens)
+    q_pos = md.positions[jnp.maximum(md.query_start_loc[1:] - 1, 0)]
+    return jnp.maximum(q_pos - window + 1, 0)
+
+
+def decode_kernel_applies(kv_cache, platform: str | None = None) -> bool:
+    """Whether the decode pass runs in the CPU kernel (jaxllm.quantization.cpu), which reads
+    an f32 or bf16-bits cache in place; quantized caches and other platforms take XLA's."""
+    if isinstance(kv_cache, kvq.QuantizedKV) or kv_cache.dtype not in (jnp.float32, kvq.BF16_BITS):
+        return False
+    if (platform or jax.default_backend()) != "cpu":
+        return False
+    from jaxllm.quantization import cpu
+    return cpu.available()
+
+
 def _decode_pass(qg, kv_cache, layer, md, window, soft_cap):
     """The last token of every sequence against its whole context.
 
@@ -106,10 +125,8 @@ def _decode_pass(qg, kv_cache, layer, md, window, soft_cap):
     bs = md.block_size
     chunk = kv_chunk(bs, DECODE_CHUNK)
     nb = chunk // bs
-    last = jnp.maximum(md.query_start_loc[1:] - 1, 0)
-    q_pos = md.positions[last]  # [S]
     lens = md.seq_lens
-    lo = jnp.zeros_like(lens) if window is None else jnp.maximum(q_pos - window + 1, 0)
+    lo = _window_start(md, window)
     first = lo // chunk                              # first chunk in the window
     count = jnp.where(lens > 0, -(-lens // chunk) - first, 0)  # chunks per sequence
     ends = jnp.cumsum(count)
@@ -197,19 +214,28 @@ def _prefill_pass(qg, out, kv_cache, layer, md, window, soft_cap):
 
 def paged_attention_xla(q: jax.Array, kv_cache: jax.Array, layer: jax.Array,
                         md: AttentionMetadata, scale: float, sliding_window: int | None = None,
-                        soft_cap: float | None = None) -> jax.Array:
+                        soft_cap: float | None = None, use_kernel: bool | None = None) -> jax.Array:
     """Causal attention of each token over its sequence's cached context (this step included).
 
     q: [T, H, D]. Two passes share the work: every sequence's last token (all of a decode
     batch) is done for all sequences at once; the other tokens of prefill chunks go tile by
-    tile, and that pass is skipped at run time when the step has no prefill.
+    tile, and that pass is skipped at run time when the step has no prefill. use_kernel: the
+    decode pass in the CPU kernel (None: where decode_kernel_applies).
     """
     T, H, D = q.shape
     KVH = (kv_cache.data if isinstance(kv_cache, kvq.QuantizedKV) else kv_cache).shape[2]
     G = H // KVH
     qg = (q.astype(jnp.float32) * scale).reshape(T, KVH, G, D)
     last = md.query_start_loc[1:] - 1
-    dec = _decode_pass(qg[jnp.maximum(last, 0)], kv_cache, layer, md, sliding_window, soft_cap)
+    if use_kernel is None:
+        use_kernel = decode_kernel_applies(kv_cache)
+    if use_kernel:
+        from jaxllm.quantization import cpu
+        dec = cpu.decode_attention(qg[jnp.maximum(last, 0)], kv_cache, layer, md.block_tables,
+                                   md.seq_lens, _window_start(md, sliding_window), md.block_size,
+                                   soft_cap)
+    else:
+        dec = _decode_pass(qg[jnp.maximum(last, 0)], kv_cache, layer, md, sliding_window, soft_cap)
     # padded sequence rows (seq_len 0) write nowhere
     dst = jnp.where(md.seq_lens > 0, last, T)
     out = jnp.zeros_like(qg).at[dst].set(dec, mode="drop")
@@ -227,7 +253,8 @@ def paged_attention(q, kv_cache, layer, md, scale, sliding_window=None, soft_cap
     """platform: where the step runs (jaxllm.parallel.platform_of); off a GPU the Pallas
     kernels run in their interpreter (tests, CPU runs)."""
     if backend == "xla":
-        return paged_attention_xla(q, kv_cache, layer, md, scale, sliding_window, soft_cap)
+        return paged_attention_xla(q, kv_cache, layer, md, scale, sliding_window, soft_cap,
+                                   decode_kernel_applies(kv_cache, platform))
     if backend == "pallas":
         from pallas_kernels.ragged_paged_attention import ragged_paged_attention
         return ragged_paged_attention(q, kv_cache, layer, md, scale, sliding_window, soft_cap,

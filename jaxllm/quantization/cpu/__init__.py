@@ -31,7 +31,8 @@ CACHE = os.environ.get("JAXLLM_KERNEL_CACHE_DIR", os.path.expanduser("~/.cache/j
 TARGETS = {"jaxllm_qmm": "JaxllmQmm", "jaxllm_qmm_sym": "JaxllmQmmSym",
            "jaxllm_qmm_q8": "JaxllmQmmQ8", "jaxllm_qmm_q8_sym": "JaxllmQmmQ8Sym",
            "jaxllm_w8a8": "JaxllmW8A8", "jaxllm_w8a8_smooth": "JaxllmW8A8Smooth",
-           "jaxllm_bf16_in_out": "JaxllmBf16InOut", "jaxllm_bf16_out_in": "JaxllmBf16OutIn"}
+           "jaxllm_bf16_in_out": "JaxllmBf16InOut", "jaxllm_bf16_out_in": "JaxllmBf16OutIn",
+           "jaxllm_decode_attention": "JaxllmDecodeAttention"}
 
 _lock = threading.Lock()
 _state: dict = {}
@@ -155,3 +156,19 @@ def dense_bf16(x: jax.Array, w: jax.Array, layer=None, out_major: bool = False,
     target = "jaxllm_bf16_out_in" if out_major else "jaxllm_bf16_in_out"
     y = jax.ffi.ffi_call(target, out)(x.reshape(-1, K).astype(jnp.float32), w3, _index(layer, rows))
     return y.reshape(*lead, N)
+
+
+def decode_attention(qg: jax.Array, cache: jax.Array, layer, block_tables: jax.Array,
+                     seq_lens: jax.Array, lo: jax.Array, block_size: int,
+                     soft_cap: float | None) -> jax.Array:
+    """Each sequence's last token (qg [S, KVH, G, D] f32, scaled) against its cached context
+    positions [lo, seq_len), read in place from the paged cache [L, 2, KVH, slots, D] (f32 or
+    bf16 bits): [S, KVH, G, D] f32, as attention._decode_pass."""
+    import numpy as np
+    if not available():
+        raise RuntimeError("the CPU kernels are not available here (see the warning)")
+    out = jax.ShapeDtypeStruct(qg.shape, jnp.float32)
+    return jax.ffi.ffi_call("jaxllm_decode_attention", out)(
+        qg.astype(jnp.float32), cache, jnp.asarray(layer, jnp.int32),
+        block_tables.astype(jnp.int32), seq_lens.astype(jnp.int32), lo.astype(jnp.int32),
+        block_size=np.int64(block_size), soft_cap=np.float32(soft_cap or 0.0))

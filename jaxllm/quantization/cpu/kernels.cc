@@ -1049,6 +1049,263 @@ ffi::Error Bf16OutIn(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
 
 }  // namespace
 
+// ---- decode attention ----
+// The last token of each sequence against its cached context, read in place from the paged
+// cache [L, 2, KVH, slots, D] (f32, or bf16 kept as uint16 bits): XLA's form gathers every
+// context row into a new array first, which at many sequences costs more than the arithmetic.
+// One task per (sequence, KV head) runs its G query heads' online softmax over chunks of 16
+// positions. With AVX-512 a chunk's 16 scores are one vector: each position's D products are
+// summed by a 16 x 16 transposing reduction (not one horizontal sum per score), and exp runs
+// on the vector. Matches the XLA decode pass (attention.py) to float rounding.
+namespace {
+
+constexpr int kAttnChunk = 16;
+
+inline float load_kv(const float* p) { return *p; }
+inline float load_kv(const uint16_t* p) { return bf16_to_float(*p); }
+
+#if defined(__AVX512F__)
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) { return bf16x16(p); }
+
+// r[t] = sum of the 16 lanes of d[t], for t < 16
+inline __m512 transpose_sum16(const __m512* d) {
+  __m512 e[8], f[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    e[i] = _mm512_add_ps(_mm512_unpacklo_ps(d[2 * i], d[2 * i + 1]),
+                         _mm512_unpackhi_ps(d[2 * i], d[2 * i + 1]));
+  for (int j = 0; j < 4; ++j) {  // per 128-bit lane: the sums of positions 4j .. 4j+3
+    const __m512d x = _mm512_castps_pd(e[2 * j]), y = _mm512_castps_pd(e[2 * j + 1]);
+    f[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  // add the four 128-bit lanes of each f[j] and put f[j]'s into lane j
+  const __m512 h01 = _mm512_add_ps(_mm512_shuffle_f32x4(f[0], f[1], 0x44),
+                                   _mm512_shuffle_f32x4(f[0], f[1], 0xEE));
+  const __m512 h23 = _mm512_add_ps(_mm512_shuffle_f32x4(f[2], f[3], 0x44),
+                                   _mm512_shuffle_f32x4(f[2], f[3], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(h01, h23, 0x88), _mm512_shuffle_f32x4(h01, h23, 0xDD));
+}
+
+// e^x for x <= 0 (scores less their maximum): 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2],
+// p of degree 6 (relative error ~2e-7); below -87 the result is 0
+inline __m512 exp16(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(-87.0f);
+  const __mmask16 tiny = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+  x = _mm512_max_ps(x, lo);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_maskz_mov_ps(~tiny, _mm512_scalef_ps(p, n));
+}
+
+// D = 16 * NV. Per chunk: the chunk's K rows widened to f32 once (L1), each query head's 16
+// scores as one vector, the online-softmax update, then each V row once for all G heads.
+template <int NV, typename T>
+void attend_vec(const float* q, const T* k_base, const T* v_base, const int32_t* table,
+                int64_t bs, int64_t lo, int64_t n, int64_t G, float soft_cap, float* out) {
+  constexpr int64_t D = 16 * NV;
+  constexpr int kMaxG = 8;
+  alignas(64) float kf[kAttnChunk][D];
+  alignas(64) float pr[kMaxG][kAttnChunk];
+  __m512 acc[kMaxG][NV];
+  float m[kMaxG], l[kMaxG];
+  for (int64_t g = 0; g < G; ++g) {
+    m[g] = -1e30f;
+    l[g] = 0.0f;
+    for (int j = 0; j < NV; ++j) acc[g][j] = _mm512_setzero_ps();
+  }
+  const T* krow[kAttnChunk];
+  const T* vrow[kAttnChunk];
+  for (int64_t c0 = lo - lo % kAttnChunk; c0 < n; c0 += kAttnChunk) {
+    // positions c0 + t, t in [t0, t1), are in the context window
+    const int64_t t0 = std::max<int64_t>(lo - c0, 0), t1 = std::min<int64_t>(kAttnChunk, n - c0);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t pos = c0 + t;
+      const int64_t slot = int64_t(table[pos / bs]) * bs + pos % bs;
+      krow[t] = k_base + slot * D;
+      vrow[t] = v_base + slot * D;
+      for (int j = 0; j < NV; ++j) _mm512_store_ps(&kf[t][16 * j], load16(krow[t] + 16 * j));
+    }
+    const __mmask16 live = __mmask16(((1u << t1) - 1) & ~((1u << t0) - 1));
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 d[kAttnChunk];
+      __m512 qv[NV];
+      for (int j = 0; j < NV; ++j) qv[j] = _mm512_loadu_ps(q + g * D + 16 * j);
+      for (int t = 0; t < kAttnChunk; ++t) {
+        if (t < t0 || t >= t1) {
+          d[t] = _mm512_setzero_ps();
+          continue;
+        }
+        __m512 x = _mm512_mul_ps(qv[0], _mm512_load_ps(&kf[t][0]));
+        for (int j = 1; j < NV; ++j) x = _mm512_fmadd_ps(qv[j], _mm512_load_ps(&kf[t][16 * j]), x);
+        d[t] = x;
+      }
+      __m512 sc = transpose_sum16(d);
+      if (soft_cap > 0) {
+        alignas(64) float tmp[kAttnChunk];
+        _mm512_store_ps(tmp, sc);
+        for (int t = 0; t < kAttnChunk; ++t) tmp[t] = soft_cap * std::tanh(tmp[t] / soft_cap);
+        sc = _mm512_load_ps(tmp);
+      }
+      sc = _mm512_mask_mov_ps(_mm512_set1_ps(-1e30f), live, sc);
+      const float m_new = std::max(m[g], _mm512_reduce_max_ps(sc));
+      const float corr = std::exp(m[g] - m_new);
+      m[g] = m_new;
+      const __m512 p = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(sc, _mm512_set1_ps(m_new))));
+      l[g] = l[g] * corr + _mm512_reduce_add_ps(p);
+      _mm512_store_ps(pr[g], p);
+      const __m512 cv = _mm512_set1_ps(corr);
+      for (int j = 0; j < NV; ++j) acc[g][j] = _mm512_mul_ps(acc[g][j], cv);
+    }
+    for (int64_t t = t0; t < t1; ++t) {
+      __m512 vv[NV];
+      for (int j = 0; j < NV; ++j) vv[j] = load16(vrow[t] + 16 * j);
+      for (int64_t g = 0; g < G; ++g) {
+        const __m512 pv = _mm512_set1_ps(pr[g][t]);
+        for (int j = 0; j < NV; ++j) acc[g][j] = _mm512_fmadd_ps(pv, vv[j], acc[g][j]);
+      }
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    const __m512 inv = _mm512_set1_ps(1.0f / std::max(l[g], 1e-30f));
+    for (int j = 0; j < NV; ++j) _mm512_storeu_ps(out + g * D + 16 * j, _mm512_mul_ps(acc[g][j], inv));
+  }
+}
+
+#endif
+
+template <typename T>
+void attend_one(const float* q, const T* k_base, const T* v_base, const int32_t* table,
+                int64_t bs, int64_t lo, int64_t n, int64_t G, int64_t D, float soft_cap,
+                float* out) {
+#if defined(__AVX512F__)
+  if (G <= 8) {
+    switch (D) {
+      case 16: return attend_vec<1>(q, k_base, v_base, table, bs, lo, n, G, soft_cap, out);
+      case 32: return attend_vec<2>(q, k_base, v_base, table, bs, lo, n, G, soft_cap, out);
+      case 64: return attend_vec<4>(q, k_base, v_base, table, bs, lo, n, G, soft_cap, out);
+      case 96: return attend_vec<6>(q, k_base, v_base, table, bs, lo, n, G, soft_cap, out);
+      case 128: return attend_vec<8>(q, k_base, v_base, table, bs, lo, n, G, soft_cap, out);
+    }
+  }
+#endif
+  std::vector<float> m(G, -1e30f), l(G, 0.0f), acc(G * D, 0.0f), kf(kAttnChunk * D),
+      vf(kAttnChunk * D), sc(G * kAttnChunk);
+  for (int64_t c0 = lo; c0 < n; c0 += kAttnChunk) {
+    const int64_t C = std::min<int64_t>(kAttnChunk, n - c0);
+    for (int64_t t = 0; t < C; ++t) {
+      const int64_t pos = c0 + t;
+      const int64_t slot = int64_t(table[pos / bs]) * bs + pos % bs;
+      for (int64_t d = 0; d < D; ++d) {
+        kf[t * D + d] = load_kv(k_base + slot * D + d);
+        vf[t * D + d] = load_kv(v_base + slot * D + d);
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      float cmax = -1e30f;
+      for (int64_t t = 0; t < C; ++t) {
+        float dot = 0.0f;
+        for (int64_t d = 0; d < D; ++d) dot += q[g * D + d] * kf[t * D + d];
+        if (soft_cap > 0) dot = soft_cap * std::tanh(dot / soft_cap);
+        sc[g * kAttnChunk + t] = dot;
+        cmax = std::max(cmax, dot);
+      }
+      const float m_new = std::max(m[g], cmax);
+      const float corr = std::exp(m[g] - m_new);
+      float* a = acc.data() + g * D;
+      for (int64_t d = 0; d < D; ++d) a[d] *= corr;
+      float psum = 0.0f;
+      for (int64_t t = 0; t < C; ++t) {
+        const float p = std::exp(sc[g * kAttnChunk + t] - m_new);
+        psum += p;
+        for (int64_t d = 0; d < D; ++d) a[d] += p * vf[t * D + d];
+      }
+      l[g] = l[g] * corr + psum;
+      m[g] = m_new;
+    }
+  }
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t d = 0; d < D; ++d) out[g * D + d] = acc[g * D + d] / std::max(l[g], 1e-30f);
+}
+
+ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer cache,
+                           ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> tables,
+                           ffi::Buffer<ffi::S32> lens, ffi::Buffer<ffi::S32> lows,
+                           int64_t block_size, float soft_cap, ffi::ResultBuffer<ffi::F32> out) {
+  auto qd = q.dimensions(), cd = cache.dimensions(), td = tables.dimensions();
+  if (qd.size() != 4 || cd.size() != 5 || td.size() != 2)
+    return ffi::Error::InvalidArgument("decode attention: q [S, KVH, G, D], cache [L, 2, KVH, slots, D], tables [S, blocks]");
+  const int64_t S = qd[0], KVH = qd[1], G = qd[2], D = qd[3];
+  const int64_t L = cd[0], NS = cd[3], MB = td[1];
+  if (cd[1] != 2 || cd[2] != KVH || cd[4] != D || td[0] != S || lens.element_count() != S ||
+      lows.element_count() != S)
+    return ffi::Error::InvalidArgument("decode attention: shapes do not match");
+  const bool bits = cache.element_type() == ffi::DataType::U16;
+  if (!bits && cache.element_type() != ffi::DataType::F32)
+    return ffi::Error::InvalidArgument("decode attention: the cache must be f32 or bf16 bits (uint16)");
+  Index ix;
+  if (auto e = read_index(layer, L, 1, &ix); e.failure()) return e;
+  const int64_t l = ix.layer;
+  const float* qp = q.typed_data();
+  const int32_t* tp = tables.typed_data();
+  const int32_t* np_ = lens.typed_data();
+  const int32_t* lp = lows.typed_data();
+  float* op = out->typed_data();
+  const void* base = cache.untyped_data();
+  if (block_size <= 0 || NS % block_size)
+    return ffi::Error::InvalidArgument("decode attention: slots must be whole blocks");
+  const int64_t num_blocks = NS / block_size;
+  for (int64_t s = 0; s < S; ++s) {  // reads stay inside the cache, whatever the tables hold
+    if (np_[s] > MB * block_size || lp[s] < 0)
+      return ffi::Error::InvalidArgument("decode attention: a context is longer than its block table");
+    for (int64_t b = lp[s] / block_size; b * block_size < np_[s]; ++b)
+      if (tp[s * MB + b] < 0 || tp[s * MB + b] >= num_blocks)
+        return ffi::Error::InvalidArgument("decode attention: a block id is outside the cache");
+  }
+  parallel_rows(pool, S * KVH, 1, [=](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t s = i / KVH, h = i % KVH;
+      const int64_t koff = ((l * 2 + 0) * KVH + h) * NS * D, voff = ((l * 2 + 1) * KVH + h) * NS * D;
+      const float* qs = qp + i * G * D;
+      float* os = op + i * G * D;
+      const int64_t n = np_[s], lo = lp[s];
+      if (bits) {
+        const uint16_t* c = static_cast<const uint16_t*>(base);
+        attend_one(qs, c + koff, c + voff, tp + s * MB, block_size, lo, n, G, D, soft_cap, os);
+      } else {
+        const float* c = static_cast<const float*>(base);
+        attend_one(qs, c + koff, c + voff, tp + s * MB, block_size, lo, n, G, D, soft_cap, os);
+      }
+    }
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDecodeAttention, DecodeAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("block_size")
+                                  .Attr<float>("soft_cap")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
 // The argument lists several handlers share: x, the weight's parts, the layer index; y.
 namespace {
 auto BindQmm() {  // codes, scale, offset
