@@ -197,6 +197,31 @@ def test_cpu_bf16_kernel_matches_numpy(out_major):
     assert rel(got, x @ (wf[1].T if out_major else wf[1])) < 1e-5
 
 
+def test_cpu_w8a16_kernel_with_bf16_activations():
+    """Per-channel int8 codes times activations rounded to bf16 (the CPU bf16 policy's W8A16,
+    w8a8's head): from 16 rows the codes are packed as bf16 pairs, below the float kernel runs;
+    both give the exact product of the rounded activations and the dequantized weights, in
+    N and K with tails (K = 224: 7 transposed blocks of 16 pairs), and only the real rows."""
+    from jaxllm.quantization import cpu
+    if not cpu.available():
+        pytest.fail("the CPU kernels did not build here (see the warning)")
+    N, K = 96, 224
+    h = F.quantize_int8(RNG.standard_normal((3, N, K)).astype(np.float32)).compact()
+    w = QWeight(jnp.asarray(h.q), jnp.asarray(h.scale), None, None, jnp.int32(2), "none", "cpu")
+    g32 = F.quantize_int8(RNG.standard_normal((N, K)).astype(np.float32), 32)
+    assert w.per_channel_int8 and not QWeight(jnp.asarray(g32.q), jnp.asarray(g32.scale)).per_channel_int8
+    f = jax.jit(lambda x, rows: cpu.matmul(x, w, rows, bf16_activations=True))
+    for M in (3, 15, 16, 17, 64):
+        x = np.asarray(jnp.asarray(RNG.standard_normal((M, K)), jnp.bfloat16).astype(jnp.float32))
+        ref = x.astype(np.float64) @ h.dequantize()[2].T.astype(np.float64)
+        got = np.asarray(f(x, None))
+        assert rel(got, ref) < 1e-6, M
+        rows = M // 2 + 1
+        part = np.asarray(f(x, jnp.int32(rows)))
+        np.testing.assert_array_equal(part[:rows], np.asarray(f(x[:rows], None)))
+        assert not part[rows:].any()
+
+
 @pytest.mark.parametrize("case", ["int4 g64", "int4 g32 int8 blocks", "int8 g16 with offsets", "w8a8",
                                   "w8a8 smooth", "bf16 in_out", "bf16 out_in"])
 def test_cpu_kernels_multiply_only_the_real_rows(case):

@@ -40,9 +40,10 @@ class DTypePolicy:
     activation: Any   # element-wise work, norms' weights, biases, the KV cache
     dot: Any          # the operands' dtype inside a dot
     accum: Any        # the dot's accumulation (preferred_element_type)
-    # a float weight's dot rounds its activations to bf16 first (the products are then exact
-    # in f32): the CPU kernel multiplies bf16 pairs (vdpbf16ps) at 16+ rows, and rounding at
-    # every row count keeps a request's numbers independent of how it was batched
+    # a float (or weight-only per-channel int8) weight's dot rounds its activations to bf16
+    # first (the products are then exact in f32): the CPU kernel multiplies bf16 pairs
+    # (vdpbf16ps) at 16+ rows, and rounding at every row count keeps a request's numbers
+    # independent of how it was batched
     round_to_bf16: bool = False
 
     def describe(self) -> str:
@@ -50,7 +51,7 @@ class DTypePolicy:
         text = (f"{self.name}: weights {n(self.weight).name}, activations {n(self.activation).name}, "
                 f"dots {n(self.dot).name} accumulating in {n(self.accum).name}")
         if self.round_to_bf16:
-            text += " (activations rounded to bfloat16 at float weights' dots)"
+            text += " (activations rounded to bfloat16 at float and per-channel int8 weights' dots)"
         return text
 
 
@@ -108,7 +109,7 @@ def linear(x: jax.Array, w, policy: DTypePolicy, bias: jax.Array | None = None,
     the first `rows` rows of x [T, in] are real, the rest pad the step to its bucket; the CPU
     kernels then skip the padding (its outputs are not meaningful), XLA's dots compute it."""
     from jaxllm.quantization.qweight import QWeight, matmul
-    if policy.round_to_bf16 and not isinstance(w, QWeight):
+    if policy.round_to_bf16 and (not isinstance(w, QWeight) or w.per_channel_int8):
         x = x.astype(jnp.bfloat16).astype(jnp.float32)
     if isinstance(w, QWeight):
         y = matmul(x, w, policy, rows)

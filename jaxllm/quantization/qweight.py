@@ -57,6 +57,14 @@ class QWeight:
     def group(self) -> int:
         return self.in_features // self.scale.shape[-1]
 
+    @property
+    def per_channel_int8(self) -> bool:
+        """Weight-only int8 with one scale per output channel (W8A16): a policy that rounds
+        activations to bf16 (linear.CPU_BF16_POLICY) rounds them before this dot too, and the
+        CPU kernel then multiplies bf16 pairs from 16 rows."""
+        return (self.kind == "int8" and self.act == "none" and self.offset is None
+                and self.group == self.in_features)
+
     def at(self, layer) -> "QWeight":
         return QWeight(self.q, self.scale, self.offset, self.smooth, layer, self.act, self.backend)
 
@@ -149,7 +157,7 @@ def matmul(x: jax.Array, w: QWeight, policy, rows=None) -> jax.Array:
     """rows: how many leading rows of x are real; the CPU kernels skip the others (zeros)."""
     if w.backend == "cpu" and w.kind != "fp8":  # the CPU kernels have no fp8 (XLA emulates it)
         from jaxllm.quantization import cpu
-        return cpu.matmul(x, w, rows)
+        return cpu.matmul(x, w, rows, bf16_activations=policy.round_to_bf16 and w.per_channel_int8)
     grouped = w.kind == "int4" or (w.kind == "int8" and w.group < w.in_features)
     if w.backend.startswith("pallas") and grouped and w.act == "none" and w.smooth is None:
         return matmul_pallas(x, w, policy, interpret=w.backend == "pallas_interpret")

@@ -31,6 +31,7 @@ CACHE = os.environ.get("JAXLLM_KERNEL_CACHE_DIR", os.path.expanduser("~/.cache/j
 TARGETS = {"jaxllm_qmm": "JaxllmQmm", "jaxllm_qmm_sym": "JaxllmQmmSym",
            "jaxllm_qmm_q8": "JaxllmQmmQ8", "jaxllm_qmm_q8_sym": "JaxllmQmmQ8Sym",
            "jaxllm_w8a8": "JaxllmW8A8", "jaxllm_w8a8_smooth": "JaxllmW8A8Smooth",
+           "jaxllm_qmm_sym_bf16": "JaxllmQmmSymBf16",
            "jaxllm_bf16_in_out": "JaxllmBf16InOut", "jaxllm_bf16_out_in": "JaxllmBf16OutIn",
            "jaxllm_decode_attention": "JaxllmDecodeAttention"}
 
@@ -120,9 +121,11 @@ def _index(layer, rows) -> jax.Array:
     return jnp.stack([layer, jnp.asarray(rows, jnp.int32)])
 
 
-def matmul(x: jax.Array, w, rows=None) -> jax.Array:
+def matmul(x: jax.Array, w, rows=None, bf16_activations: bool = False) -> jax.Array:
     """x [.., K] @ W^T -> [.., N] f32 through the kernels; w is a QWeight. rows: only the first
-    `rows` rows of x (flattened) are real, the others are padding: their outputs are zeros."""
+    `rows` rows of x (flattened) are real, the others are padding: their outputs are zeros.
+    bf16_activations: x holds bf16 values (the caller rounded it) and w is per-channel int8
+    (QWeight.per_channel_int8): from 16 rows they multiply as bf16 pairs."""
     lead, K = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, K).astype(jnp.float32)
     stack = (lambda a: a) if w.layer is not None else (lambda a: None if a is None else a[None])
@@ -139,6 +142,8 @@ def matmul(x: jax.Array, w, rows=None) -> jax.Array:
         name = "jaxllm_qmm_q8" if w.act == "int8_block" else "jaxllm_qmm"
         if offset is not None:
             y = jax.ffi.ffi_call(name, out)(x2, q, scale, offset, layer)
+        elif bf16_activations:
+            y = jax.ffi.ffi_call("jaxllm_qmm_sym_bf16", out)(x2, q, scale, layer)
         else:
             y = jax.ffi.ffi_call(name + "_sym", out)(x2, q, scale, layer)
     return y.reshape(*lead, N)

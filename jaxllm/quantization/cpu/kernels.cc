@@ -4,6 +4,7 @@
 //
 //   jaxllm_qmm      y[M,N] = x[M,K] . (code * scale + offset)^T   int4 or int8 codes
 //   jaxllm_qmm_sym  the same without an offset
+//   jaxllm_qmm_sym_bf16  int8 per-channel codes, activations rounded to bf16 (the bf16 policy)
 //   jaxllm_w8a8     int8 codes with per-channel scales; x quantized per row to int8 inside
 //                   (optionally divided by a SmoothQuant vector first), int32 accumulation
 //   jaxllm_bf16_in_out / jaxllm_bf16_out_in
@@ -935,6 +936,34 @@ inline void pack_bf16_oi(const uint16_t* w, int64_t K, int64_t n, int nr, uint32
   }
 }
 
+// int8 codes [N, K] as bf16 pairs (exact: 8 significant bits), in pack_bf16_oi's order
+inline void pack_i8_oi(const int8_t* w, int64_t K, int64_t n, int nr, uint32_t* buf) {
+  const int64_t KP = K / 2;
+  for (int r = 0; r < nr; ++r) {
+    const int8_t* base = w + (n + 16 * r) * K;
+    int64_t kp = 0;
+    for (; kp + 16 <= KP; kp += 16) {
+      __m512i v[16];
+      for (int j = 0; j < 16; ++j) {
+        const int8_t* p = base + j * K + 2 * kp;
+        const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+        const __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
+        v[j] = (__m512i)_mm512_cvtne2ps_pbh(b, a);  // k 0..15 low, 16..31 high
+      }
+      transpose16(v);
+      for (int j = 0; j < 16; ++j) _mm512_storeu_si512(buf + (kp + j) * kPanel + 16 * r, v[j]);
+    }
+    for (; kp < KP; ++kp)
+      for (int j = 0; j < 16; ++j) {
+        const float lo = base[j * K + 2 * kp], hi = base[j * K + 2 * kp + 1];
+        uint32_t bl, bh;
+        std::memcpy(&bl, &lo, 4);
+        std::memcpy(&bh, &hi, 4);
+        buf[kp * kPanel + 16 * r + j] = (bl >> 16) | (bh & 0xffff0000u);
+      }
+  }
+}
+
 template <int MR, int NR>
 void bf16_packed_tile(const uint32_t* buf, const uint16_t* xb, int64_t K, float* y, int64_t N) {
   __m512 acc[MR][NR];
@@ -978,6 +1007,29 @@ void bf16_packed(const uint16_t* w, const uint16_t* xb, int64_t M, int64_t K, in
   }
 }
 
+// y = xb . (codes * scale)^T for int8 codes [N, K] with one scale per column: the codes as
+// bf16 pairs, the scale applied to each finished panel
+void i8_packed(const int8_t* w, const Scales& sc, const uint16_t* xb, int64_t M, int64_t K,
+               int64_t N, int64_t n0, int64_t n1, float* y) {
+  std::vector<uint32_t> buf(K / 2 * kPanel);
+  for (int64_t n = n0; n < n1; n += kPanel) {
+    const int nr = static_cast<int>(std::min<int64_t>(kPanel, n1 - n) / 16);
+    pack_i8_oi(w, K, n, nr, buf.data());
+    switch (nr) {
+      case 3: bf16_packed_rows<3>(buf.data(), xb, M, K, y + n, N); break;
+      case 2: bf16_packed_rows<2>(buf.data(), xb, M, K, y + n, N); break;
+      case 1: bf16_packed_rows<1>(buf.data(), xb, M, K, y + n, N); break;
+    }
+    alignas(64) float s[kPanel];
+    for (int c = 0; c < 16 * nr; ++c) s[c] = sc[n + c];
+    for (int64_t m = 0; m < M; ++m)
+      for (int r = 0; r < nr; ++r) {
+        float* p = y + m * N + n + 16 * r;
+        _mm512_storeu_ps(p, _mm512_mul_ps(_mm512_loadu_ps(p), _mm512_load_ps(s + 16 * r)));
+      }
+  }
+}
+
 // f32 -> bf16, round to nearest even (as jnp's astype)
 void round_bf16(const float* x, int64_t n, uint16_t* out) {
   int64_t i = 0;
@@ -996,6 +1048,8 @@ constexpr bool kBf16Packed = false;
 void bf16_packed(const uint16_t*, const uint16_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
                  float*, bool) {}
 void round_bf16(const float*, int64_t, uint16_t*) {}
+void i8_packed(const int8_t*, const Scales&, const uint16_t*, int64_t, int64_t, int64_t, int64_t,
+               int64_t, float*) {}
 
 #endif
 
@@ -1034,6 +1088,37 @@ ffi::Error Bf16Impl(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer
   } else {
     parallel_rows(pool, N, 64, [=](int64_t n0, int64_t n1) { bf16_out_in(wp, xp, M, K, N, n0, n1, yp); });
   }
+  return ffi::Error::Success();
+}
+
+// int8 codes with one scale per output channel (weight-only: W8A16) times activations the
+// engine rounded to bf16 (its CPU bf16 policy): from 16 rows the codes are packed as bf16 and
+// multiplied with vdpbf16ps (products of bf16 and int8 are exact in f32), below that the
+// float kernel computes the same products
+ffi::Error QmmSymBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q,
+                      ffi::AnyBuffer scale, ffi::Buffer<ffi::S32> layer,
+                      ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions(), qd = q.dimensions(), sd = scale.dimensions();
+  if (xd.size() != 2 || qd.size() != 3 || sd.size() != 3)
+    return ffi::Error::InvalidArgument("qmm: x must be [M, K], q and scale [L, N, *]");
+  const int64_t K = xd[1], L = qd[0], N = qd[1];
+  Index ix;
+  if (auto e = read_index(layer, L, xd[0], &ix); e.failure()) return e;
+  const int64_t M = ix.rows;
+  bool f16 = false;
+  if (!kBf16Packed || M < kBf16PackedMinRows || K % 2 || N % 16 ||
+      q.element_type() != ffi::DataType::S8 || qd[2] != K || sd[1] != N || sd[2] != 1 ||
+      !scale_type(scale, &f16))
+    return QmmImpl(pool, x, q, scale, std::nullopt, layer, y);  // checks and reports shapes
+  const int8_t* w = static_cast<const int8_t*>(q.untyped_data()) + ix.layer * N * K;
+  const Scales sc = scales_at(scale, f16, ix.layer * N);
+  float* yp = y->typed_data();
+  zero_rows(yp, M, xd[0], N);
+  auto xb = std::make_shared<std::vector<uint16_t>>(M * K);
+  round_bf16(x.typed_data(), M * K, xb->data());
+  parallel_rows(pool, N, kPanel, [=](int64_t n0, int64_t n1) {
+    i8_packed(w, sc, xb->data(), M, K, N, n0, n1, yp);
+  });
   return ffi::Error::Success();
 }
 
@@ -1343,6 +1428,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmQmm, QmmOffset, BindQmm());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmQmmSym, QmmSym, BindQmmSym());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmQmmQ8, QmmQ8, BindQmm());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmQmmQ8Sym, QmmQ8Sym, BindQmmSym());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmQmmSymBf16, QmmSymBf16, BindQmmSym());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmW8A8, W8A8Plain,
                               ffi::Ffi::Bind()
