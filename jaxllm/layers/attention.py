@@ -219,8 +219,8 @@ def paged_attention_xla(q: jax.Array, kv_cache: jax.Array, layer: jax.Array,
 
     q: [T, H, D]. Two passes share the work: every sequence's last token (all of a decode
     batch) is done for all sequences at once; the other tokens of prefill chunks go tile by
-    tile, and that pass is skipped at run time when the step has no prefill. use_kernel: the
-    decode pass in the CPU kernel (None: where decode_kernel_applies).
+    tile, and that pass is skipped at run time when the step has no prefill. use_kernel: both
+    passes in the CPU kernels (None: where decode_kernel_applies).
     """
     T, H, D = q.shape
     KVH = (kv_cache.data if isinstance(kv_cache, kvq.QuantizedKV) else kv_cache).shape[2]
@@ -239,9 +239,17 @@ def paged_attention_xla(q: jax.Array, kv_cache: jax.Array, layer: jax.Array,
     # padded sequence rows (seq_len 0) write nowhere
     dst = jnp.where(md.seq_lens > 0, last, T)
     out = jnp.zeros_like(qg).at[dst].set(dec, mode="drop")
-    out = jax.lax.cond(md.num_tiles > 0,
-                       lambda o: _prefill_pass(qg, o, kv_cache, layer, md, sliding_window, soft_cap),
-                       lambda o: o, out)
+    if use_kernel:
+        def prefill(o):
+            from jaxllm.quantization import cpu
+            tiles = cpu.prefill_attention(qg, kv_cache, layer, md, sliding_window, soft_cap)
+            n = md.query_start_loc[1:] - md.query_start_loc[:-1]
+            in_tile = (n[md.token_seq_ids] > 1) & (jnp.arange(T) < md.query_start_loc[-1])
+            return jnp.where(in_tile[:, None, None, None], tiles, o)
+    else:
+        def prefill(o):
+            return _prefill_pass(qg, o, kv_cache, layer, md, sliding_window, soft_cap)
+    out = jax.lax.cond(md.num_tiles > 0, prefill, lambda o: o, out)
     return out.reshape(T, H, D).astype(q.dtype)
 
 

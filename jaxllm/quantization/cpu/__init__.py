@@ -33,7 +33,8 @@ TARGETS = {"jaxllm_qmm": "JaxllmQmm", "jaxllm_qmm_sym": "JaxllmQmmSym",
            "jaxllm_w8a8": "JaxllmW8A8", "jaxllm_w8a8_smooth": "JaxllmW8A8Smooth",
            "jaxllm_qmm_sym_bf16": "JaxllmQmmSymBf16",
            "jaxllm_bf16_in_out": "JaxllmBf16InOut", "jaxllm_bf16_out_in": "JaxllmBf16OutIn",
-           "jaxllm_decode_attention": "JaxllmDecodeAttention"}
+           "jaxllm_decode_attention": "JaxllmDecodeAttention",
+           "jaxllm_prefill_attention": "JaxllmPrefillAttention"}
 
 _lock = threading.Lock()
 _state: dict = {}
@@ -177,3 +178,21 @@ def decode_attention(qg: jax.Array, cache: jax.Array, layer, block_tables: jax.A
         qg.astype(jnp.float32), cache, jnp.asarray(layer, jnp.int32),
         block_tables.astype(jnp.int32), seq_lens.astype(jnp.int32), lo.astype(jnp.int32),
         block_size=np.int64(block_size), soft_cap=np.float32(soft_cap or 0.0))
+
+
+def prefill_attention(qg: jax.Array, cache: jax.Array, layer, md, window: int | None,
+                      soft_cap: float | None) -> jax.Array:
+    """The tokens of the step's prefill tiles (md.tile_seq / tile_start / num_tiles, q_tile
+    tokens each; qg [T, KVH, G, D] f32, scaled) against their causal context, read in place
+    from the paged cache: [T, KVH, G, D] f32, zeros for tokens in no tile (as
+    attention._prefill_pass)."""
+    import numpy as np
+    if not available():
+        raise RuntimeError("the CPU kernels are not available here (see the warning)")
+    out = jax.ShapeDtypeStruct(qg.shape, jnp.float32)
+    i32 = (lambda a: jnp.asarray(a, jnp.int32))
+    return jax.ffi.ffi_call("jaxllm_prefill_attention", out)(
+        qg.astype(jnp.float32), cache, i32(layer), i32(md.block_tables), i32(md.positions),
+        i32(md.query_start_loc), i32(md.tile_seq), i32(md.tile_start), i32(md.num_tiles),
+        block_size=np.int64(md.block_size), q_tile=np.int64(md.q_tile),
+        window=np.int64(window or 0), soft_cap=np.float32(soft_cap or 0.0))

@@ -1323,6 +1323,194 @@ void attend_one(const float* q, const T* k_base, const T* v_base, const int32_t*
     for (int64_t d = 0; d < D; ++d) out[g * D + d] = acc[g * D + d] / std::max(l[g], 1e-30f);
 }
 
+// Prefill tiles (attention.py's prefill pass): the tokens of a sequence with more than one
+// token this step, up to 16 at a time, each against its causal context [lo, position]. A
+// (tile, KV head) task walks the context in chunks of 16 positions; each chunk's K and V rows
+// are widened to f32 once and serve the sub-tile's 16 x G query rows, whose online-softmax
+// state (m, l and the D accumulators) stays in a small buffer.
+constexpr int kSubTile = 16;
+
+template <int NV, typename T>
+void attend_tile_vec(const float* q, int64_t q_stride, const int32_t* pos, int64_t nq, int64_t G,
+                     const T* k_base, const T* v_base, const int32_t* table, int64_t bs,
+                     int64_t window, float soft_cap, float* out) {
+#if defined(__AVX512F__)
+  constexpr int64_t D = 16 * NV;
+  alignas(64) float kf[kAttnChunk][D], vf[kAttnChunk][D];
+  std::vector<float> accbuf(kSubTile * G * D);
+  std::vector<float> mbuf(kSubTile * G), lbuf(kSubTile * G);
+  for (int64_t i0 = 0; i0 < nq; i0 += kSubTile) {
+    const int64_t ni = std::min<int64_t>(kSubTile, nq - i0);
+    int64_t lo_min = INT64_MAX, hi = 0;
+    for (int64_t i = i0; i < i0 + ni; ++i) {
+      lo_min = std::min<int64_t>(lo_min, window > 0 ? std::max<int64_t>(pos[i] - window + 1, 0) : 0);
+      hi = std::max<int64_t>(hi, pos[i] + 1);
+    }
+    std::fill(accbuf.begin(), accbuf.end(), 0.0f);
+    std::fill(mbuf.begin(), mbuf.end(), -1e30f);
+    std::fill(lbuf.begin(), lbuf.end(), 0.0f);
+    for (int64_t c0 = lo_min - lo_min % kAttnChunk; c0 < hi; c0 += kAttnChunk) {
+      const int64_t t0 = std::max<int64_t>(lo_min - c0, 0), t1 = std::min<int64_t>(kAttnChunk, hi - c0);
+      for (int64_t t = 0; t < kAttnChunk; ++t) {
+        if (t < t0 || t >= t1) {  // zeros: finite scores and values for the masked positions
+          for (int j = 0; j < NV; ++j) {
+            _mm512_store_ps(&kf[t][16 * j], _mm512_setzero_ps());
+            _mm512_store_ps(&vf[t][16 * j], _mm512_setzero_ps());
+          }
+          continue;
+        }
+        const int64_t p = c0 + t;
+        const int64_t slot = int64_t(table[p / bs]) * bs + p % bs;
+        for (int j = 0; j < NV; ++j) {
+          _mm512_store_ps(&kf[t][16 * j], load16(k_base + slot * D + 16 * j));
+          _mm512_store_ps(&vf[t][16 * j], load16(v_base + slot * D + 16 * j));
+        }
+      }
+      for (int64_t i = 0; i < ni; ++i) {
+        const int64_t p_i = pos[i0 + i];
+        const int64_t lo_i = window > 0 ? std::max<int64_t>(p_i - window + 1, 0) : 0;
+        const int64_t a = std::max<int64_t>(lo_i - c0, t0), b = std::min<int64_t>(p_i + 1 - c0, t1);
+        if (a >= b) continue;  // none of this chunk is in the token's context
+        const __mmask16 live = __mmask16(((1u << b) - 1) & ~((1u << a) - 1));
+        for (int64_t g = 0; g < G; ++g) {
+          const float* qr = q + (i0 + i) * q_stride + g * D;
+          __m512 qv[NV];
+          for (int j = 0; j < NV; ++j) qv[j] = _mm512_loadu_ps(qr + 16 * j);
+          __m512 d[kAttnChunk];
+          for (int t = 0; t < kAttnChunk; ++t) {
+            __m512 x = _mm512_mul_ps(qv[0], _mm512_load_ps(&kf[t][0]));
+            for (int j = 1; j < NV; ++j) x = _mm512_fmadd_ps(qv[j], _mm512_load_ps(&kf[t][16 * j]), x);
+            d[t] = x;
+          }
+          __m512 sc = transpose_sum16(d);
+          if (soft_cap > 0) {
+            alignas(64) float tmp[kAttnChunk];
+            _mm512_store_ps(tmp, sc);
+            for (int t = 0; t < kAttnChunk; ++t) tmp[t] = soft_cap * std::tanh(tmp[t] / soft_cap);
+            sc = _mm512_load_ps(tmp);
+          }
+          sc = _mm512_mask_mov_ps(_mm512_set1_ps(-1e30f), live, sc);
+          const int64_t r = i * G + g;
+          const float m_new = std::max(mbuf[r], _mm512_reduce_max_ps(sc));
+          const float corr = std::exp(mbuf[r] - m_new);
+          mbuf[r] = m_new;
+          const __m512 pv = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(sc, _mm512_set1_ps(m_new))));
+          lbuf[r] = lbuf[r] * corr + _mm512_reduce_add_ps(pv);
+          alignas(64) float pr[kAttnChunk];
+          _mm512_store_ps(pr, pv);
+          float* acc_p = accbuf.data() + r * D;
+          __m512 acc[NV];
+          const __m512 cv = _mm512_set1_ps(corr);
+          for (int j = 0; j < NV; ++j) acc[j] = _mm512_mul_ps(_mm512_loadu_ps(acc_p + 16 * j), cv);
+          for (int64_t t = a; t < b; ++t) {
+            const __m512 w = _mm512_set1_ps(pr[t]);
+            for (int j = 0; j < NV; ++j) acc[j] = _mm512_fmadd_ps(w, _mm512_load_ps(&vf[t][16 * j]), acc[j]);
+          }
+          for (int j = 0; j < NV; ++j) _mm512_storeu_ps(acc_p + 16 * j, acc[j]);
+        }
+      }
+    }
+    for (int64_t i = 0; i < ni; ++i)
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t r = i * G + g;
+        const __m512 inv = _mm512_set1_ps(1.0f / std::max(lbuf[r], 1e-30f));
+        float* o = out + (i0 + i) * q_stride + g * D;
+        for (int j = 0; j < NV; ++j) _mm512_storeu_ps(o + 16 * j, _mm512_mul_ps(_mm512_loadu_ps(accbuf.data() + r * D + 16 * j), inv));
+      }
+  }
+#endif
+}
+
+// any D and G: each token as its own decode query over [lo, position]
+template <typename T>
+void attend_tile(const float* q, int64_t q_stride, const int32_t* pos, int64_t nq, int64_t G,
+                 int64_t D, const T* k_base, const T* v_base, const int32_t* table, int64_t bs,
+                 int64_t window, float soft_cap, float* out) {
+#if defined(__AVX512F__)
+  switch (D) {
+    case 16: return attend_tile_vec<1>(q, q_stride, pos, nq, G, k_base, v_base, table, bs, window, soft_cap, out);
+    case 32: return attend_tile_vec<2>(q, q_stride, pos, nq, G, k_base, v_base, table, bs, window, soft_cap, out);
+    case 64: return attend_tile_vec<4>(q, q_stride, pos, nq, G, k_base, v_base, table, bs, window, soft_cap, out);
+    case 96: return attend_tile_vec<6>(q, q_stride, pos, nq, G, k_base, v_base, table, bs, window, soft_cap, out);
+    case 128: return attend_tile_vec<8>(q, q_stride, pos, nq, G, k_base, v_base, table, bs, window, soft_cap, out);
+  }
+#endif
+  for (int64_t i = 0; i < nq; ++i) {
+    const int64_t lo = window > 0 ? std::max<int64_t>(pos[i] - window + 1, 0) : 0;
+    attend_one(q + i * q_stride, k_base, v_base, table, bs, lo, int64_t(pos[i]) + 1, G, D,
+               soft_cap, out + i * q_stride);
+  }
+}
+
+ffi::Error PrefillAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer cache,
+                            ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> tables,
+                            ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> qsl,
+                            ffi::Buffer<ffi::S32> tile_seq, ffi::Buffer<ffi::S32> tile_start,
+                            ffi::Buffer<ffi::S32> num_tiles, int64_t block_size, int64_t q_tile,
+                            int64_t window, float soft_cap, ffi::ResultBuffer<ffi::F32> out) {
+  auto qd = q.dimensions(), cd = cache.dimensions(), td = tables.dimensions();
+  if (qd.size() != 4 || cd.size() != 5 || td.size() != 2)
+    return ffi::Error::InvalidArgument("prefill attention: q [T, KVH, G, D], cache [L, 2, KVH, slots, D], tables [S, blocks]");
+  const int64_t T = qd[0], KVH = qd[1], G = qd[2], D = qd[3];
+  const int64_t L = cd[0], NS = cd[3], S = td[0], MB = td[1], W = tile_seq.element_count();
+  if (cd[1] != 2 || cd[2] != KVH || cd[4] != D || positions.element_count() != T ||
+      qsl.element_count() != S + 1 || tile_start.element_count() != W || q_tile <= 0)
+    return ffi::Error::InvalidArgument("prefill attention: shapes do not match");
+  const bool bits = cache.element_type() == ffi::DataType::U16;
+  if (!bits && cache.element_type() != ffi::DataType::F32)
+    return ffi::Error::InvalidArgument("prefill attention: the cache must be f32 or bf16 bits (uint16)");
+  if (block_size <= 0 || NS % block_size)
+    return ffi::Error::InvalidArgument("prefill attention: slots must be whole blocks");
+  Index ix;
+  if (auto e = read_index(layer, L, 1, &ix); e.failure()) return e;
+  const int64_t l = ix.layer, nt = std::min<int64_t>(*num_tiles.typed_data(), W);
+  const int32_t *tp = tables.typed_data(), *pp = positions.typed_data(), *qs = qsl.typed_data(),
+                *ts = tile_seq.typed_data(), *st = tile_start.typed_data();
+  float* op = out->typed_data();
+  std::memset(op, 0, sizeof(float) * T * KVH * G * D);
+  // every tile's tokens and blocks are checked before any is read
+  const int64_t num_blocks = NS / block_size;
+  for (int64_t w = 0; w < nt; ++w) {
+    const int64_t s = ts[w];
+    if (s < 0 || s >= S) return ffi::Error::InvalidArgument("prefill attention: a tile's sequence is out of range");
+    const int64_t a = st[w], b = std::min<int64_t>(a + q_tile, qs[s + 1]);
+    if (a < qs[s] || b > T) return ffi::Error::InvalidArgument("prefill attention: a tile is outside its sequence");
+    for (int64_t i = a; i < b; ++i) {
+      if (pp[i] < 0 || pp[i] >= MB * block_size)
+        return ffi::Error::InvalidArgument("prefill attention: a position is past its block table");
+      if (i > a && pp[i] != pp[i - 1] + 1)
+        return ffi::Error::InvalidArgument("prefill attention: a tile's positions are not consecutive");
+    }
+    if (b > a)
+      for (int64_t blk = 0; blk * block_size <= pp[b - 1]; ++blk)
+        if (tp[s * MB + blk] < 0 || tp[s * MB + blk] >= num_blocks)
+          return ffi::Error::InvalidArgument("prefill attention: a block id is outside the cache");
+  }
+  const float* qp = q.typed_data();
+  const void* base = cache.untyped_data();
+  parallel_rows(pool, nt * KVH, 1, [=](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t w = i / KVH, h = i % KVH, s = ts[w];
+      const int64_t a = st[w], b = std::min<int64_t>(a + q_tile, qs[s + 1]);
+      if (b <= a) continue;
+      const int64_t koff = ((l * 2 + 0) * KVH + h) * NS * D, voff = ((l * 2 + 1) * KVH + h) * NS * D;
+      const int64_t stride = KVH * G * D;
+      const float* qa = qp + a * stride + h * G * D;
+      float* oa = op + a * stride + h * G * D;
+      if (bits) {
+        const uint16_t* c = static_cast<const uint16_t*>(base);
+        attend_tile(qa, stride, pp + a, b - a, G, D, c + koff, c + voff, tp + s * MB, block_size,
+                    window, soft_cap, oa);
+      } else {
+        const float* c = static_cast<const float*>(base);
+        attend_tile(qa, stride, pp + a, b - a, G, D, c + koff, c + voff, tp + s * MB, block_size,
+                    window, soft_cap, oa);
+      }
+    }
+  });
+  return ffi::Error::Success();
+}
+
 ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer cache,
                            ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> tables,
                            ffi::Buffer<ffi::S32> lens, ffi::Buffer<ffi::S32> lows,
@@ -1377,6 +1565,24 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::A
 }
 
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmPrefillAttention, PrefillAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("block_size")
+                                  .Attr<int64_t>("q_tile")
+                                  .Attr<int64_t>("window")
+                                  .Attr<float>("soft_cap")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDecodeAttention, DecodeAttention,
                               ffi::Ffi::Bind()
