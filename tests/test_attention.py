@@ -16,6 +16,8 @@ CASES = {
     "chunked_prefill": [(128, 70), (300, 3)],
     "mixed": [(0, 20), (7, 1), (100, 1), (33, 45), (0, 1), (250, 1)],
     "long_context": [(900, 1), (700, 90)],
+    # few (sequence, KV head) tasks: the CPU kernel splits each context and merges the parts
+    "one_long_sequence": [(500, 1)],
 }
 
 
@@ -49,6 +51,14 @@ def test_padded_rows_and_tokens():
 @pytest.mark.parametrize("window", [1, 8, 50])
 def test_sliding_window(window):
     q, cache, layer, md = make_case(CASES["mixed"] + [(130, 40)], seed=window)
+    _check(q, cache, layer, md, window=window)
+
+
+@pytest.mark.parametrize("window", [30, 200])
+def test_sliding_window_one_long_sequence(window):
+    """A window over a context the CPU kernel splits into parts (some parts then fall wholly
+    outside it)."""
+    q, cache, layer, md = make_case([(400, 1)], kv_heads=1, seed=window)
     _check(q, cache, layer, md, window=window)
 
 
