@@ -16,7 +16,6 @@ CASES = {
     "chunked_prefill": [(128, 70), (300, 3)],
     "mixed": [(0, 20), (7, 1), (100, 1), (33, 45), (0, 1), (250, 1)],
     "long_context": [(900, 1), (700, 90)],
-    # few (sequence, KV head) tasks: the CPU kernel splits each context and merges the parts
     "one_long_sequence": [(500, 1)],
 }
 
@@ -56,8 +55,7 @@ def test_sliding_window(window):
 
 @pytest.mark.parametrize("window", [30, 200])
 def test_sliding_window_one_long_sequence(window):
-    """A window over a context the CPU kernel splits into parts (some parts then fall wholly
-    outside it)."""
+    """A window that starts inside a block, over one sequence's long context."""
     q, cache, layer, md = make_case([(400, 1)], kv_heads=1, seed=window)
     _check(q, cache, layer, md, window=window)
 

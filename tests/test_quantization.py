@@ -200,12 +200,12 @@ def test_cpu_bf16_kernel_matches_numpy(out_major):
 def test_cpu_w8a16_kernel_with_bf16_activations():
     """Per-channel int8 codes times activations rounded to bf16 (the CPU bf16 policy's W8A16,
     w8a8's head): from 16 rows the codes are packed as bf16 pairs, below the float kernel runs;
-    both give the exact product of the rounded activations and the dequantized weights, in
-    N and K with tails (K = 224: 7 transposed blocks of 16 pairs), and only the real rows."""
+    both give the exact product of the rounded activations and the dequantized weights, with a
+    last panel of 16 columns (N = 112 = 48 + 48 + 16), and only the real rows."""
     from jaxllm.quantization import cpu
     if not cpu.available():
         pytest.fail("the CPU kernels did not build here (see the warning)")
-    N, K = 96, 224
+    N, K = 112, 224
     h = F.quantize_int8(RNG.standard_normal((3, N, K)).astype(np.float32)).compact()
     w = QWeight(jnp.asarray(h.q), jnp.asarray(h.scale), None, None, jnp.int32(2), "none", "cpu")
     g32 = F.quantize_int8(RNG.standard_normal((N, K)).astype(np.float32), 32)

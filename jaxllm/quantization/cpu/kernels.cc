@@ -1112,7 +1112,7 @@ ffi::Error QmmSymBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
   if (auto e = read_index(layer, L, xd[0], &ix); e.failure()) return e;
   const int64_t M = ix.rows;
   bool f16 = false;
-  if (!kBf16Packed || M < kBf16PackedMinRows || K % 2 || N % 16 ||
+  if (!kBf16Packed || M < kBf16PackedMinRows || K % 32 || N % 16 ||
       q.element_type() != ffi::DataType::S8 || qd[2] != K || sd[1] != N || sd[2] != 1 ||
       !scale_type(scale, &f16))
     return QmmImpl(pool, x, q, scale, std::nullopt, layer, y);  // checks and reports shapes
@@ -1151,7 +1151,6 @@ ffi::Error Bf16OutIn(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
 namespace {
 
 constexpr int kAttnChunk = 16;
-constexpr int64_t kMinPart = 64;  // positions: a shorter part costs more to merge than it saves
 
 inline float load_kv(const float* p) { return *p; }
 inline float load_kv(const uint16_t* p) { return bf16_to_float(*p); }
@@ -1204,8 +1203,7 @@ inline __m512 exp16(__m512 x) {
 // scores as one vector, the online-softmax update, then each V row once for all G heads.
 template <int NV, typename T>
 void attend_vec(const float* q, const T* k_base, const T* v_base, const int32_t* table,
-                int64_t bs, int64_t lo, int64_t n, int64_t G, float soft_cap, float* out,
-                float* ml) {
+                int64_t bs, int64_t lo, int64_t n, int64_t G, float soft_cap, float* out) {
   constexpr int64_t D = 16 * NV;
   constexpr int kMaxG = 8;
   alignas(64) float kf[kAttnChunk][D];
@@ -1270,12 +1268,6 @@ void attend_vec(const float* q, const T* k_base, const T* v_base, const int32_t*
     }
   }
   for (int64_t g = 0; g < G; ++g) {
-    if (ml) {  // a part of the context: its unnormalized state, merged by the caller
-      ml[2 * g] = m[g];
-      ml[2 * g + 1] = l[g];
-      for (int j = 0; j < NV; ++j) _mm512_storeu_ps(out + g * D + 16 * j, acc[g][j]);
-      continue;
-    }
     const __m512 inv = _mm512_set1_ps(1.0f / std::max(l[g], 1e-30f));
     for (int j = 0; j < NV; ++j) _mm512_storeu_ps(out + g * D + 16 * j, _mm512_mul_ps(acc[g][j], inv));
   }
@@ -1286,15 +1278,15 @@ void attend_vec(const float* q, const T* k_base, const T* v_base, const int32_t*
 template <typename T>
 void attend_one(const float* q, const T* k_base, const T* v_base, const int32_t* table,
                 int64_t bs, int64_t lo, int64_t n, int64_t G, int64_t D, float soft_cap,
-                float* out, float* ml = nullptr) {
+                float* out) {
 #if defined(__AVX512F__)
   if (G <= 8) {
     switch (D) {
-      case 16: return attend_vec<1>(q, k_base, v_base, table, bs, lo, n, G, soft_cap, out, ml);
-      case 32: return attend_vec<2>(q, k_base, v_base, table, bs, lo, n, G, soft_cap, out, ml);
-      case 64: return attend_vec<4>(q, k_base, v_base, table, bs, lo, n, G, soft_cap, out, ml);
-      case 96: return attend_vec<6>(q, k_base, v_base, table, bs, lo, n, G, soft_cap, out, ml);
-      case 128: return attend_vec<8>(q, k_base, v_base, table, bs, lo, n, G, soft_cap, out, ml);
+      case 16: return attend_vec<1>(q, k_base, v_base, table, bs, lo, n, G, soft_cap, out);
+      case 32: return attend_vec<2>(q, k_base, v_base, table, bs, lo, n, G, soft_cap, out);
+      case 64: return attend_vec<4>(q, k_base, v_base, table, bs, lo, n, G, soft_cap, out);
+      case 96: return attend_vec<6>(q, k_base, v_base, table, bs, lo, n, G, soft_cap, out);
+      case 128: return attend_vec<8>(q, k_base, v_base, table, bs, lo, n, G, soft_cap, out);
     }
   }
 #endif
@@ -1333,13 +1325,8 @@ void attend_one(const float* q, const T* k_base, const T* v_base, const int32_t*
       m[g] = m_new;
     }
   }
-  for (int64_t g = 0; g < G; ++g) {
-    if (ml) {
-      ml[2 * g] = m[g];
-      ml[2 * g + 1] = l[g];
-    }
-    for (int64_t d = 0; d < D; ++d) out[g * D + d] = ml ? acc[g * D + d] : acc[g * D + d] / std::max(l[g], 1e-30f);
-  }
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t d = 0; d < D; ++d) out[g * D + d] = acc[g * D + d] / std::max(l[g], 1e-30f);
 }
 
 // Prefill tiles (attention.py's prefill pass): the tokens of a sequence with more than one
@@ -1493,7 +1480,7 @@ ffi::Error PrefillAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
     const int64_t s = ts[w];
     if (s < 0 || s >= S) return ffi::Error::InvalidArgument("prefill attention: a tile's sequence is out of range");
     const int64_t a = st[w], b = std::min<int64_t>(a + q_tile, qs[s + 1]);
-    if (a < qs[s] || b > T) return ffi::Error::InvalidArgument("prefill attention: a tile is outside its sequence");
+    if (a < 0 || a < qs[s] || b > T) return ffi::Error::InvalidArgument("prefill attention: a tile is outside its sequence");
     for (int64_t i = a; i < b; ++i) {
       if (pp[i] < 0 || pp[i] >= MB * block_size)
         return ffi::Error::InvalidArgument("prefill attention: a position is past its block table");
@@ -1564,56 +1551,22 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::A
       if (tp[s * MB + b] < 0 || tp[s * MB + b] >= num_blocks)
         return ffi::Error::InvalidArgument("decode attention: a block id is outside the cache");
   }
-  // Fewer (sequence, KV head) tasks than twice the threads (batch 1 of a model with 3 KV heads
-  // on 2 threads): each context is split into parts, whose softmax states merge afterwards.
-  const int64_t tasks = S * KVH, threads = std::max<int64_t>(1, pool.num_threads());
-  int64_t max_len = 0;
-  for (int64_t s = 0; s < S; ++s) max_len = std::max<int64_t>(max_len, np_[s] - lp[s]);
-  const int64_t parts = tasks >= 2 * threads ? 1
-      : std::max<int64_t>(1, std::min<int64_t>((2 * threads + tasks - 1) / tasks, max_len / kMinPart));
-  auto partial = std::make_shared<std::vector<float>>(parts > 1 ? tasks * parts * G * (D + 2) : 0);
-  float* pp = partial->data();
-  parallel_rows(pool, tasks * parts, 1, [=](int64_t i0, int64_t i1) {
+  parallel_rows(pool, S * KVH, 1, [=](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t task = i / parts, part = i % parts, s = task / KVH, h = task % KVH;
+      const int64_t s = i / KVH, h = i % KVH;
       const int64_t koff = ((l * 2 + 0) * KVH + h) * NS * D, voff = ((l * 2 + 1) * KVH + h) * NS * D;
-      const float* qs = qp + task * G * D;
-      int64_t lo = lp[s], n = np_[s];
-      float* os = op + task * G * D;
-      float* ml = nullptr;
-      if (parts > 1) {
-        const int64_t size = ((n - lo + parts - 1) / parts + kAttnChunk - 1) / kAttnChunk * kAttnChunk;
-        lo = std::min<int64_t>(n, lo + part * size);
-        n = std::min<int64_t>(n, lo + size);
-        os = pp + i * G * (D + 2);
-        ml = os + G * D;
-      }
+      const float* qs = qp + i * G * D;
+      float* os = op + i * G * D;
+      const int64_t n = np_[s], lo = lp[s];
       if (bits) {
         const uint16_t* c = static_cast<const uint16_t*>(base);
-        attend_one(qs, c + koff, c + voff, tp + s * MB, block_size, lo, n, G, D, soft_cap, os, ml);
+        attend_one(qs, c + koff, c + voff, tp + s * MB, block_size, lo, n, G, D, soft_cap, os);
       } else {
         const float* c = static_cast<const float*>(base);
-        attend_one(qs, c + koff, c + voff, tp + s * MB, block_size, lo, n, G, D, soft_cap, os, ml);
+        attend_one(qs, c + koff, c + voff, tp + s * MB, block_size, lo, n, G, D, soft_cap, os);
       }
     }
   });
-  if (parts > 1)
-    for (int64_t task = 0; task < tasks; ++task)
-      for (int64_t g = 0; g < G; ++g) {
-        float m = -1e30f;
-        for (int64_t p = 0; p < parts; ++p) m = std::max(m, pp[((task * parts + p) * G) * (D + 2) + G * D + 2 * g]);
-        float l = 0.0f;
-        float* o = op + (task * G + g) * D;
-        std::fill(o, o + D, 0.0f);
-        for (int64_t p = 0; p < parts; ++p) {
-          const float* part = pp + (task * parts + p) * G * (D + 2);
-          const float w = std::exp(part[G * D + 2 * g] - m);
-          l += part[G * D + 2 * g + 1] * w;
-          for (int64_t d = 0; d < D; ++d) o[d] += part[g * D + d] * w;
-        }
-        const float inv = 1.0f / std::max(l, 1e-30f);
-        for (int64_t d = 0; d < D; ++d) o[d] *= inv;
-      }
   return ffi::Error::Success();
 }
 
