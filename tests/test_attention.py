@@ -20,13 +20,15 @@ CASES = {
 }
 
 
-def _check(q, cache, layer, md, window=None, soft_cap=None, padded_tokens=0):
+def _check(q, cache, layer, md, window=None, soft_cap=None, reference_cache=None):
+    """Both passes in XLA and in the CPU kernels (which read the cache in place) against the
+    dense reference, which reads `reference_cache` (default: the cache itself)."""
     md = jax.tree.map(jnp.asarray, md)
     scale = q.shape[-1] ** -0.5
-    want = ragged_paged_attention_ref(q, cache, layer, md.positions, md.token_seq_ids,
-                                      md.block_tables, md.block_size, scale, window, soft_cap)
+    want = ragged_paged_attention_ref(q, cache if reference_cache is None else reference_cache,
+                                      layer, md.positions, md.token_seq_ids, md.block_tables,
+                                      md.block_size, scale, window, soft_cap)
     real = int(md.query_start_loc[-1])
-    # the decode pass in XLA and in the CPU kernel (which reads the cache in place)
     for use_kernel in (False, True):
         got = jax.jit(paged_attention_xla, static_argnums=(4, 5, 6, 7))(
             q, cache, layer, md, scale, window, soft_cap, use_kernel)
@@ -80,16 +82,7 @@ def test_bf16_bits_cache_and_head_shapes(heads, kv_heads, head_dim):
     q, cache, layer, md = make_case(seqs, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                                     seed=heads + head_dim)
     bits = jax.lax.bitcast_convert_type(cache.astype(jnp.bfloat16), kvq.BF16_BITS)
-    md = jax.tree.map(jnp.asarray, md)
-    scale = head_dim ** -0.5
-    want = ragged_paged_attention_ref(q, kvq.dequantize(bits), layer, md.positions, md.token_seq_ids,
-                                      md.block_tables, md.block_size, scale)
-    real = int(md.query_start_loc[-1])
-    for use_kernel in (False, True):
-        got = jax.jit(paged_attention_xla, static_argnums=(4, 5, 6, 7))(
-            q, bits, layer, md, scale, None, None, use_kernel)
-        np.testing.assert_allclose(np.asarray(got)[:real], np.asarray(want)[:real], rtol=2e-5,
-                                   atol=2e-5, err_msg=f"use_kernel={use_kernel}")
+    _check(q, bits, layer, md, reference_cache=kvq.dequantize(bits))
 
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
@@ -176,3 +169,22 @@ def test_cpu_engine_stores_a_bf16_cache_as_bits(tiny_llama, default_llm, caplog)
     b = full.generate([[5, 6, 7, 8, 9]], p, use_tqdm=False)[0].outputs[0]
     assert a.token_ids[0] == b.token_ids[0]
     assert abs(a.logprobs[0][a.token_ids[0]].logprob - b.logprobs[0][b.token_ids[0]].logprob) < 0.05
+
+
+@pytest.mark.parametrize("which", ["decode", "prefill"])
+def test_cpu_kernels_refuse_a_block_outside_the_cache(which):
+    """A block table pointing past the cache is an error from each kernel, not a stray read."""
+    from jaxllm.quantization import cpu
+    q, cache, layer, md = make_case([(40, 1) if which == "decode" else (40, 20)], seed=5)
+    md.block_tables[0, 1] = cache.shape[3] // md.block_size  # one past the last block
+    md = jax.tree.map(jnp.asarray, md)
+    T, H, D = q.shape
+    qg = q.reshape(T, cache.shape[2], H // cache.shape[2], D)
+
+    def run():
+        if which == "decode":
+            return cpu.decode_attention(qg, cache, layer, md.block_tables, md.seq_lens,
+                                        jnp.zeros_like(md.seq_lens), md.block_size, None)
+        return cpu.prefill_attention(qg, cache, layer, md, None, None)
+    with pytest.raises(Exception, match="block id is outside the cache"):
+        jax.block_until_ready(jax.jit(run)())

@@ -26,6 +26,7 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -1329,6 +1330,49 @@ void attend_one(const float* q, const T* k_base, const T* v_base, const int32_t*
     for (int64_t d = 0; d < D; ++d) out[g * D + d] = acc[g * D + d] / std::max(l[g], 1e-30f);
 }
 
+// What both attention handlers check of their operands: q [., KVH, G, D], the cache
+// [L, 2, KVH, slots, D] in f32 or bf16 bits, whole blocks, a block table [S, MB], the layer.
+struct PagedCache {
+  int64_t KVH, G, D, NS, S, MB, layer, num_blocks, bs;
+  bool bits;
+  const void* base;
+  const int32_t* tables;
+  // K (0) or V (1) plane of head h of the layer, as T (float or uint16_t)
+  template <typename T>
+  const T* plane(int which, int64_t h) const {
+    return static_cast<const T*>(base) + ((layer * 2 + which) * KVH + h) * NS * D;
+  }
+  // every block a context [lo, n) of row s reads is inside the cache
+  bool blocks_ok(int64_t s, int64_t lo, int64_t n) const {
+    for (int64_t b = lo / bs; b * bs < n; ++b)
+      if (tables[s * MB + b] < 0 || tables[s * MB + b] >= num_blocks) return false;
+    return true;
+  }
+};
+
+ffi::Error read_paged(const char* what, const ffi::Buffer<ffi::F32>& q, const ffi::AnyBuffer& cache,
+                      const ffi::Buffer<ffi::S32>& layer, const ffi::Buffer<ffi::S32>& tables,
+                      int64_t block_size, PagedCache* pc) {
+  auto qd = q.dimensions(), cd = cache.dimensions(), td = tables.dimensions();
+  auto bad = [what](const char* why) { return ffi::Error::InvalidArgument(std::string(what) + ": " + why); };
+  if (qd.size() != 4 || cd.size() != 5 || td.size() != 2)
+    return bad("q [., KVH, G, D], cache [L, 2, KVH, slots, D], tables [S, blocks]");
+  pc->KVH = qd[1], pc->G = qd[2], pc->D = qd[3], pc->NS = cd[3], pc->S = td[0], pc->MB = td[1];
+  if (cd[1] != 2 || cd[2] != pc->KVH || cd[4] != pc->D) return bad("shapes do not match");
+  pc->bits = cache.element_type() == ffi::DataType::U16;
+  if (!pc->bits && cache.element_type() != ffi::DataType::F32)
+    return bad("the cache must be f32 or bf16 bits (uint16)");
+  if (block_size <= 0 || pc->NS % block_size) return bad("slots must be whole blocks");
+  pc->bs = block_size;
+  pc->num_blocks = pc->NS / block_size;
+  Index ix;
+  if (auto e = read_index(layer, cd[0], 1, &ix); e.failure()) return e;
+  pc->layer = ix.layer;
+  pc->base = cache.untyped_data();
+  pc->tables = tables.typed_data();
+  return ffi::Error::Success();
+}
+
 // Prefill tiles (attention.py's prefill pass): the tokens of a sequence with more than one
 // token this step, up to 16 at a time, each against its causal context [lo, position]. A
 // (tile, KV head) task walks the context in chunks of 16 positions; each chunk's K and V rows
@@ -1454,28 +1498,20 @@ ffi::Error PrefillAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
                             ffi::Buffer<ffi::S32> tile_seq, ffi::Buffer<ffi::S32> tile_start,
                             ffi::Buffer<ffi::S32> num_tiles, int64_t block_size, int64_t q_tile,
                             int64_t window, float soft_cap, ffi::ResultBuffer<ffi::F32> out) {
-  auto qd = q.dimensions(), cd = cache.dimensions(), td = tables.dimensions();
-  if (qd.size() != 4 || cd.size() != 5 || td.size() != 2)
-    return ffi::Error::InvalidArgument("prefill attention: q [T, KVH, G, D], cache [L, 2, KVH, slots, D], tables [S, blocks]");
-  const int64_t T = qd[0], KVH = qd[1], G = qd[2], D = qd[3];
-  const int64_t L = cd[0], NS = cd[3], S = td[0], MB = td[1], W = tile_seq.element_count();
-  if (cd[1] != 2 || cd[2] != KVH || cd[4] != D || positions.element_count() != T ||
-      qsl.element_count() != S + 1 || tile_start.element_count() != W || q_tile <= 0)
+  PagedCache pc;
+  if (auto e = read_paged("prefill attention", q, cache, layer, tables, block_size, &pc); e.failure())
+    return e;
+  const int64_t T = q.dimensions()[0], S = pc.S, KVH = pc.KVH, G = pc.G, D = pc.D, MB = pc.MB;
+  const int64_t W = tile_seq.element_count();
+  if (positions.element_count() != T || qsl.element_count() != S + 1 ||
+      tile_start.element_count() != W || q_tile <= 0)
     return ffi::Error::InvalidArgument("prefill attention: shapes do not match");
-  const bool bits = cache.element_type() == ffi::DataType::U16;
-  if (!bits && cache.element_type() != ffi::DataType::F32)
-    return ffi::Error::InvalidArgument("prefill attention: the cache must be f32 or bf16 bits (uint16)");
-  if (block_size <= 0 || NS % block_size)
-    return ffi::Error::InvalidArgument("prefill attention: slots must be whole blocks");
-  Index ix;
-  if (auto e = read_index(layer, L, 1, &ix); e.failure()) return e;
-  const int64_t l = ix.layer, nt = std::min<int64_t>(*num_tiles.typed_data(), W);
-  const int32_t *tp = tables.typed_data(), *pp = positions.typed_data(), *qs = qsl.typed_data(),
+  const int64_t nt = std::min<int64_t>(*num_tiles.typed_data(), W);
+  const int32_t *tp = pc.tables, *pp = positions.typed_data(), *qs = qsl.typed_data(),
                 *ts = tile_seq.typed_data(), *st = tile_start.typed_data();
   float* op = out->typed_data();
   std::memset(op, 0, sizeof(float) * T * KVH * G * D);
   // every tile's tokens and blocks are checked before any is read
-  const int64_t num_blocks = NS / block_size;
   for (int64_t w = 0; w < nt; ++w) {
     const int64_t s = ts[w];
     if (s < 0 || s >= S) return ffi::Error::InvalidArgument("prefill attention: a tile's sequence is out of range");
@@ -1487,31 +1523,24 @@ ffi::Error PrefillAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
       if (i > a && pp[i] != pp[i - 1] + 1)
         return ffi::Error::InvalidArgument("prefill attention: a tile's positions are not consecutive");
     }
-    if (b > a)
-      for (int64_t blk = 0; blk * block_size <= pp[b - 1]; ++blk)
-        if (tp[s * MB + blk] < 0 || tp[s * MB + blk] >= num_blocks)
-          return ffi::Error::InvalidArgument("prefill attention: a block id is outside the cache");
+    if (b > a && !pc.blocks_ok(s, 0, pp[b - 1] + 1))
+      return ffi::Error::InvalidArgument("prefill attention: a block id is outside the cache");
   }
   const float* qp = q.typed_data();
-  const void* base = cache.untyped_data();
   parallel_rows(pool, nt * KVH, 1, [=](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t w = i / KVH, h = i % KVH, s = ts[w];
       const int64_t a = st[w], b = std::min<int64_t>(a + q_tile, qs[s + 1]);
       if (b <= a) continue;
-      const int64_t koff = ((l * 2 + 0) * KVH + h) * NS * D, voff = ((l * 2 + 1) * KVH + h) * NS * D;
       const int64_t stride = KVH * G * D;
       const float* qa = qp + a * stride + h * G * D;
       float* oa = op + a * stride + h * G * D;
-      if (bits) {
-        const uint16_t* c = static_cast<const uint16_t*>(base);
-        attend_tile(qa, stride, pp + a, b - a, G, D, c + koff, c + voff, tp + s * MB, block_size,
-                    window, soft_cap, oa);
-      } else {
-        const float* c = static_cast<const float*>(base);
-        attend_tile(qa, stride, pp + a, b - a, G, D, c + koff, c + voff, tp + s * MB, block_size,
-                    window, soft_cap, oa);
-      }
+      if (pc.bits)
+        attend_tile(qa, stride, pp + a, b - a, G, D, pc.plane<uint16_t>(0, h), pc.plane<uint16_t>(1, h),
+                    tp + s * MB, block_size, window, soft_cap, oa);
+      else
+        attend_tile(qa, stride, pp + a, b - a, G, D, pc.plane<float>(0, h), pc.plane<float>(1, h),
+                    tp + s * MB, block_size, window, soft_cap, oa);
     }
   });
   return ffi::Error::Success();
@@ -1521,50 +1550,32 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::A
                            ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> tables,
                            ffi::Buffer<ffi::S32> lens, ffi::Buffer<ffi::S32> lows,
                            int64_t block_size, float soft_cap, ffi::ResultBuffer<ffi::F32> out) {
-  auto qd = q.dimensions(), cd = cache.dimensions(), td = tables.dimensions();
-  if (qd.size() != 4 || cd.size() != 5 || td.size() != 2)
-    return ffi::Error::InvalidArgument("decode attention: q [S, KVH, G, D], cache [L, 2, KVH, slots, D], tables [S, blocks]");
-  const int64_t S = qd[0], KVH = qd[1], G = qd[2], D = qd[3];
-  const int64_t L = cd[0], NS = cd[3], MB = td[1];
-  if (cd[1] != 2 || cd[2] != KVH || cd[4] != D || td[0] != S || lens.element_count() != S ||
-      lows.element_count() != S)
+  PagedCache pc;
+  if (auto e = read_paged("decode attention", q, cache, layer, tables, block_size, &pc); e.failure())
+    return e;
+  const int64_t S = pc.S, KVH = pc.KVH, G = pc.G, D = pc.D, MB = pc.MB;
+  if (q.dimensions()[0] != S || lens.element_count() != S || lows.element_count() != S)
     return ffi::Error::InvalidArgument("decode attention: shapes do not match");
-  const bool bits = cache.element_type() == ffi::DataType::U16;
-  if (!bits && cache.element_type() != ffi::DataType::F32)
-    return ffi::Error::InvalidArgument("decode attention: the cache must be f32 or bf16 bits (uint16)");
-  Index ix;
-  if (auto e = read_index(layer, L, 1, &ix); e.failure()) return e;
-  const int64_t l = ix.layer;
   const float* qp = q.typed_data();
-  const int32_t* tp = tables.typed_data();
-  const int32_t* np_ = lens.typed_data();
-  const int32_t* lp = lows.typed_data();
+  const int32_t *tp = pc.tables, *np_ = lens.typed_data(), *lp = lows.typed_data();
   float* op = out->typed_data();
-  const void* base = cache.untyped_data();
-  if (block_size <= 0 || NS % block_size)
-    return ffi::Error::InvalidArgument("decode attention: slots must be whole blocks");
-  const int64_t num_blocks = NS / block_size;
   for (int64_t s = 0; s < S; ++s) {  // reads stay inside the cache, whatever the tables hold
     if (np_[s] > MB * block_size || lp[s] < 0)
       return ffi::Error::InvalidArgument("decode attention: a context is longer than its block table");
-    for (int64_t b = lp[s] / block_size; b * block_size < np_[s]; ++b)
-      if (tp[s * MB + b] < 0 || tp[s * MB + b] >= num_blocks)
-        return ffi::Error::InvalidArgument("decode attention: a block id is outside the cache");
+    if (!pc.blocks_ok(s, lp[s], np_[s]))
+      return ffi::Error::InvalidArgument("decode attention: a block id is outside the cache");
   }
   parallel_rows(pool, S * KVH, 1, [=](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t s = i / KVH, h = i % KVH;
-      const int64_t koff = ((l * 2 + 0) * KVH + h) * NS * D, voff = ((l * 2 + 1) * KVH + h) * NS * D;
+      const int64_t s = i / KVH, h = i % KVH, n = np_[s], lo = lp[s];
       const float* qs = qp + i * G * D;
       float* os = op + i * G * D;
-      const int64_t n = np_[s], lo = lp[s];
-      if (bits) {
-        const uint16_t* c = static_cast<const uint16_t*>(base);
-        attend_one(qs, c + koff, c + voff, tp + s * MB, block_size, lo, n, G, D, soft_cap, os);
-      } else {
-        const float* c = static_cast<const float*>(base);
-        attend_one(qs, c + koff, c + voff, tp + s * MB, block_size, lo, n, G, D, soft_cap, os);
-      }
+      if (pc.bits)
+        attend_one(qs, pc.plane<uint16_t>(0, h), pc.plane<uint16_t>(1, h), tp + s * MB, block_size,
+                   lo, n, G, D, soft_cap, os);
+      else
+        attend_one(qs, pc.plane<float>(0, h), pc.plane<float>(1, h), tp + s * MB, block_size, lo,
+                   n, G, D, soft_cap, os);
     }
   });
   return ffi::Error::Success();
@@ -1572,13 +1583,20 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::A
 
 }  // namespace
 
+// q, the cache, the layer index, the block tables: both attention handlers start so
+namespace {
+auto BindAttention() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Arg<ffi::Buffer<ffi::S32>>();
+}
+}  // namespace
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmPrefillAttention, PrefillAttention,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
+                              BindAttention()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
@@ -1591,12 +1609,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmPrefillAttention, PrefillAttention,
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDecodeAttention, DecodeAttention,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
+                              BindAttention()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Attr<int64_t>("block_size")
