@@ -5,7 +5,9 @@ slot = block_id * block_size + offset: each KV head's block is a contiguous `[bl
 head_dim]` tile, which is what a GPU kernel wants to load and what tensor parallelism shards.
 It is passed into the jitted step and returned, donated. Each layer first writes the step's
 new K and V through the slot mapping and then attends over the cache alone, so cached
-context, prefix hits and this step's tokens are all read the same way.
+context, prefix hits and this step's tokens are all read the same way. On a one-device CPU
+the two passes below run in C++ kernels that read the cache in place (XLA's form gathers
+every context row into a new array first); elsewhere they are the XLA code here.
 """
 from __future__ import annotations
 
@@ -101,9 +103,9 @@ def _window_start(md, window) -> jax.Array:
     return jnp.maximum(q_pos - window + 1, 0)
 
 
-def decode_kernel_applies(kv_cache, platform: str | None = None) -> bool:
-    """Whether the decode pass runs in the CPU kernel (jaxllm.quantization.cpu), which reads
-    an f32 or bf16-bits cache in place; quantized caches and other platforms take XLA's."""
+def cpu_kernels_apply(kv_cache, platform: str | None = None) -> bool:
+    """Whether both passes run in the CPU kernels (jaxllm.quantization.cpu), which read an f32
+    or bf16-bits cache in place; quantized caches and other platforms take XLA's."""
     if isinstance(kv_cache, kvq.QuantizedKV) or kv_cache.dtype not in (jnp.float32, kvq.BF16_BITS):
         return False
     if (platform or jax.default_backend()) != "cpu":
@@ -220,7 +222,7 @@ def paged_attention_xla(q: jax.Array, kv_cache: jax.Array, layer: jax.Array,
     q: [T, H, D]. Two passes share the work: every sequence's last token (all of a decode
     batch) is done for all sequences at once; the other tokens of prefill chunks go tile by
     tile, and that pass is skipped at run time when the step has no prefill. use_kernel: both
-    passes in the CPU kernels (None: where decode_kernel_applies).
+    passes in the CPU kernels (None: where cpu_kernels_apply).
     """
     T, H, D = q.shape
     KVH = (kv_cache.data if isinstance(kv_cache, kvq.QuantizedKV) else kv_cache).shape[2]
@@ -228,7 +230,7 @@ def paged_attention_xla(q: jax.Array, kv_cache: jax.Array, layer: jax.Array,
     qg = (q.astype(jnp.float32) * scale).reshape(T, KVH, G, D)
     last = md.query_start_loc[1:] - 1
     if use_kernel is None:
-        use_kernel = decode_kernel_applies(kv_cache)
+        use_kernel = cpu_kernels_apply(kv_cache)
     if use_kernel:
         from jaxllm.quantization import cpu
         dec = cpu.decode_attention(qg[jnp.maximum(last, 0)], kv_cache, layer, md.block_tables,
@@ -262,7 +264,7 @@ def paged_attention(q, kv_cache, layer, md, scale, sliding_window=None, soft_cap
     kernels run in their interpreter (tests, CPU runs)."""
     if backend == "xla":
         return paged_attention_xla(q, kv_cache, layer, md, scale, sliding_window, soft_cap,
-                                   decode_kernel_applies(kv_cache, platform))
+                                   cpu_kernels_apply(kv_cache, platform))
     if backend == "pallas":
         from pallas_kernels.ragged_paged_attention import ragged_paged_attention
         return ragged_paged_attention(q, kv_cache, layer, md, scale, sliding_window, soft_cap,
