@@ -79,13 +79,15 @@ def device_step_seconds(runner, shape, inputs, steps: int) -> float:
     return float(np.median(blocks))
 
 
-def _run_batch(engine, requests) -> tuple[float, float, int]:
+def _run_batch(engine, requests) -> tuple[float, float, int, float]:
     """Runs requests to completion: (seconds to the last first token, seconds of the steady
-    decode phase, its steps). That phase runs from the moment every request has its first
-    token to the moment the first one finishes (prompts are prefilled a budget at a time, so
-    the requests finish at different steps): every step in it decodes the whole batch. It is
-    timed whole: with async scheduling one step() call launches a step and reads the previous
-    one, so single calls are not steps."""
+    decode phase, its steps, the engine thread's CPU seconds in that phase). That phase runs
+    from the moment every request has its first token to the moment the first one finishes
+    (prompts are prefilled a budget at a time, so the requests finish at different steps):
+    every step in it decodes the whole batch. It is timed whole: with async scheduling one
+    step() call launches a step and reads the previous one, so single calls are not steps.
+    The CPU seconds are the host's own work (waiting on the device takes none): on a CPU,
+    whose cores also run the step, that is what the host takes from the device."""
     from jaxllm import SamplingParams
 
     for rid, prompt, n_out in requests:
@@ -93,18 +95,20 @@ def _run_batch(engine, requests) -> tuple[float, float, int]:
                            SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True))
     waiting = {rid for rid, _, _ in requests}
     start = time.perf_counter()
-    first = steps_at_first = last = steps_at_last = None
+    first = steps_at_first = last = steps_at_last = cpu_first = cpu_last = None
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.outputs[0].token_ids:
                 waiting.discard(out.request_id)
             if out.finished and last is None and first is not None:
                 last, steps_at_last = time.perf_counter(), engine.runner.num_steps
+                cpu_last = time.thread_time()
         if first is None and not waiting:
             first, steps_at_first = time.perf_counter(), engine.runner.num_steps
+            cpu_first = time.thread_time()
     if last is None:  # one output token: no decode phase
-        last, steps_at_last = first, steps_at_first
-    return first - start, last - first, steps_at_last - steps_at_first
+        last, steps_at_last, cpu_last = first, steps_at_first, cpu_first
+    return first - start, last - first, steps_at_last - steps_at_first, cpu_last - cpu_first
 
 
 def hbm_floor_ms(engine, batch: int, context: int) -> dict | None:
@@ -145,7 +149,7 @@ def run(args) -> int:
     count = 0
     for batch in sizes:
         recorder.batch = batch
-        ttft, steps, e2e = [], [], []
+        ttft, steps, e2e, host_cpu = [], [], [], []
         for it in range(args.num_iters_warmup + args.num_iters):
             reqs = []
             for _ in range(batch):
@@ -156,10 +160,11 @@ def run(args) -> int:
             _run_batch(engine, [(r + "-ttft", p, 1) for r, p, _ in reqs])
             t_first = time.perf_counter() - t0
             recorder.steps = []
-            _, decode, n = _run_batch(engine, reqs)
+            _, decode, n, cpu = _run_batch(engine, reqs)
             if it >= args.num_iters_warmup and n > 0:
                 ttft.append(t_first)
                 steps.append(decode / n)
+                host_cpu.append(cpu / n)
                 e2e.append(time.perf_counter() - t0 - t_first)
         # a step that decoded the whole batch, replayed: the device's time alone
         shape, inputs = recorder.middle()
@@ -168,7 +173,8 @@ def run(args) -> int:
         entry = {"ttft_s": percentiles(ttft), "decode_step_s": percentiles(steps),
                  "device_step_s": device, "step_shape": list(shape),
                  # what the host adds to a step that the device does not hide
-                 "exposed_host_s": step - device, "e2e_s": percentiles(e2e)}
+                 "exposed_host_s": step - device, "host_cpu_s": float(np.median(host_cpu)),
+                 "e2e_s": percentiles(e2e)}
         floor = hbm_floor_ms(engine, batch, args.input_len + args.output_len // 2)
         if floor is not None:
             entry["hbm_floor"] = floor
@@ -176,7 +182,8 @@ def run(args) -> int:
         results[f"batch_{batch}"] = entry
         line = (f"batch {batch:>3}: TTFT {entry['ttft_s']['mean'] * 1e3:8.1f} ms  decode step "
                 f"{step * 1e3:8.2f} ms (device alone {device * 1e3:.2f}, host exposed "
-                f"{entry['exposed_host_s'] * 1e3:.2f})  e2e {entry['e2e_s']['mean']:.2f} s")
+                f"{entry['exposed_host_s'] * 1e3:.2f}; host CPU {entry['host_cpu_s'] * 1e3:.2f})  "
+                f"e2e {entry['e2e_s']['mean']:.2f} s")
         if floor is not None:
             line += f"  = {entry['decode_step_over_floor']:.2f}x the HBM floor ({floor['floor_ms']:.2f} ms)"
         print(line, flush=True)

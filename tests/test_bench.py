@@ -69,6 +69,8 @@ def test_latency(tiny_llama, tmp_path):
         # the replayed step is a decode step of that batch
         assert r[key]["step_shape"][1] >= int(key.split("_")[1])
         assert 0 < r[key]["device_step_s"] < 10 * r[key]["decode_step_s"]["median"]
+        # the engine thread's CPU time in a step: some, and never more than the step's time
+        assert 0 < r[key]["host_cpu_s"] <= 1.05 * r[key]["decode_step_s"]["median"]
 
 
 def test_structured(tiny_llama, tmp_path):
