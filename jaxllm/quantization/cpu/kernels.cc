@@ -1239,6 +1239,19 @@ inline __m512 exp16(__m512 x) {
   return _mm512_maskz_mov_ps(~tiny, _mm512_scalef_ps(p, n));
 }
 
+// a chunk's 16 scores from their dot-product vectors d: summed, soft-capped when asked, and
+// the positions outside `live` (the context, the causal edge) at -1e30
+inline __m512 chunk_scores(const __m512* d, float soft_cap, __mmask16 live) {
+  __m512 sc = transpose_sum16(d);
+  if (soft_cap > 0) {
+    alignas(64) float tmp[kAttnChunk];
+    _mm512_store_ps(tmp, sc);
+    for (int t = 0; t < kAttnChunk; ++t) tmp[t] = soft_cap * std::tanh(tmp[t] / soft_cap);
+    sc = _mm512_load_ps(tmp);
+  }
+  return _mm512_mask_mov_ps(_mm512_set1_ps(-1e30f), live, sc);
+}
+
 // D = 16 * NV. Per chunk: the chunk's K rows widened to f32 once (L1), each query head's 16
 // scores as one vector, the online-softmax update, then each V row once for all G heads.
 template <int NV, typename T>
@@ -1281,14 +1294,7 @@ void attend_vec(const float* q, const T* k_base, const T* v_base, const int32_t*
         for (int j = 1; j < NV; ++j) x = _mm512_fmadd_ps(qv[j], _mm512_load_ps(&kf[t][16 * j]), x);
         d[t] = x;
       }
-      __m512 sc = transpose_sum16(d);
-      if (soft_cap > 0) {
-        alignas(64) float tmp[kAttnChunk];
-        _mm512_store_ps(tmp, sc);
-        for (int t = 0; t < kAttnChunk; ++t) tmp[t] = soft_cap * std::tanh(tmp[t] / soft_cap);
-        sc = _mm512_load_ps(tmp);
-      }
-      sc = _mm512_mask_mov_ps(_mm512_set1_ps(-1e30f), live, sc);
+      const __m512 sc = chunk_scores(d, soft_cap, live);
       const float m_new = std::max(m[g], _mm512_reduce_max_ps(sc));
       const float corr = std::exp(m[g] - m_new);
       m[g] = m_new;
@@ -1471,14 +1477,7 @@ void attend_tile_vec(const float* q, int64_t q_stride, const int32_t* pos, int64
             for (int j = 1; j < NV; ++j) x = _mm512_fmadd_ps(qv[j], _mm512_load_ps(&kf[t][16 * j]), x);
             d[t] = x;
           }
-          __m512 sc = transpose_sum16(d);
-          if (soft_cap > 0) {
-            alignas(64) float tmp[kAttnChunk];
-            _mm512_store_ps(tmp, sc);
-            for (int t = 0; t < kAttnChunk; ++t) tmp[t] = soft_cap * std::tanh(tmp[t] / soft_cap);
-            sc = _mm512_load_ps(tmp);
-          }
-          sc = _mm512_mask_mov_ps(_mm512_set1_ps(-1e30f), live, sc);
+          const __m512 sc = chunk_scores(d, soft_cap, live);
           const int64_t r = i * G + g;
           const float m_new = std::max(mbuf[r], _mm512_reduce_max_ps(sc));
           const float corr = std::exp(mbuf[r] - m_new);
