@@ -1,5 +1,6 @@
 """Sampling: parameter validation, the sampler's distribution (chi-square), penalties and
 masks exactly as vLLM defines them, logprobs against HF, seeds, best_of and beam search."""
+import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -149,6 +150,32 @@ def test_penalties_match_vllm_definitions():
             x -= pres[r] * (counts[r, v] > 0)
             want[r, v] = x
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_plain_greedy_batch_matches_the_general_path():
+    """A greedy batch with nothing else to apply takes a shortcut (only the argmax; no branch
+    returns a copy of the logits): its tokens and state are the general path's, and a token
+    bitmask still applies."""
+    rng = np.random.default_rng(1)
+    V = 3000  # > 2 chunks: the two-pass argmax
+    logits = rng.standard_normal((4, V)).astype(np.float32)
+    full = metadata(4, is_final=[True, True, False, True])
+    plain = dataclasses.replace(full, any_logprobs=np.bool_(False))
+    run = jax.jit(S.sample)
+    (t_plain, lp_plain, *_), st_plain = run(logits, plain, S.init_state(4, V))
+    (t_full, lp_full, *_), st_full = run(logits, full, S.init_state(4, V))
+    want = logits.argmax(-1)
+    assert np.asarray(t_plain).tolist() == want.tolist() == np.asarray(t_full).tolist()
+    assert not np.asarray(lp_plain).any() and np.asarray(lp_full).all()
+    for a, b in zip(jax.tree.leaves(st_plain), jax.tree.leaves(st_full)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert np.asarray(st_plain.out_counts)[2].sum() == 0  # a partial prefill's token
+    # the argmax of each row banned by a bitmask: the runner-up is taken
+    words = np.full((4, -(-V // 32)), 0xFFFFFFFF, np.uint32)
+    for r, t in enumerate(want):
+        words[r, t // 32] &= ~np.uint32(1 << (t % 32))
+    (t_mask, *_), _ = run(logits, plain, S.init_state(4, V), words.view(np.int32), np.bool_(True))
+    assert np.asarray(t_mask).tolist() == np.argsort(-logits, -1)[:, 1].tolist()
 
 
 def test_sampler_state_rows_and_counts():

@@ -203,32 +203,43 @@ def sample(logits: jax.Array, md: SamplingMetadata, state: SamplerState, bitmask
     """logits: [S, V] f32 raw -> (tokens and logprobs, updated state). A grammar's bitmask
     (when `use_mask`) applies first, as in vLLM: logprobs are those of the allowed tokens."""
     S, V = logits.shape
-    if bitmask is not None:
-        logits = jax.lax.cond(use_mask, apply_bitmask, lambda x, _: x, logits, bitmask)
-    raw = logits
-    logits = process_logits(logits, md, state)
-    greedy_mask = md.temperature < GREEDY_EPS
-    greedy = argmax(logits)
-
-    def random_tokens(logits):
-        temp = jnp.where(greedy_mask, 1.0, md.temperature)
-        scaled = logits / temp[:, None]
-        scaled = jax.lax.cond(md.any_filter, filter_logits, lambda x, *_: x, scaled,
-                              md.top_k, md.top_p, md.min_p)
-        keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(md.seeds, md.gen_index)
-        gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (V,), jnp.float32))(keys)
-        return argmax(scaled + gumbel)
-
-    sampled = jax.lax.cond(md.any_random, random_tokens, lambda _: greedy, logits)
-    tokens = jnp.where(greedy_mask, greedy, sampled)
-
-    def stats(raw):
-        return _logprob_stats(jax.nn.log_softmax(raw, axis=-1), tokens)
-
     k = min(MAX_LOGPROBS, V)
     zeros = (jnp.zeros(S, jnp.float32), jnp.zeros(S, jnp.int32), jnp.zeros((S, k), jnp.int32),
              jnp.zeros((S, k), jnp.float32))
-    lp, rank, top_ids, top_lp = jax.lax.cond(md.any_logprobs, stats, lambda _: zeros, raw)
+    # A greedy batch with nothing else to apply takes only the argmax: on XLA:CPU each cond
+    # below hands back a fresh copy of the [S, V] logits even from an identity branch, into
+    # temporaries that are new pages every step (6.2 ms against 0.8 ms at 64 rows x 49,152)
+    plain = ~(md.any_random | md.any_penalty | md.any_bias | md.any_min_tokens | md.any_banned
+              | md.any_logprobs)
+    if bitmask is not None:
+        plain = plain & ~use_mask
+
+    def general(logits):
+        if bitmask is not None:
+            logits = jax.lax.cond(use_mask, apply_bitmask, lambda x, _: x, logits, bitmask)
+        raw = logits
+        logits = process_logits(logits, md, state)
+        greedy_mask = md.temperature < GREEDY_EPS
+        greedy = argmax(logits)
+
+        def random_tokens(logits):
+            temp = jnp.where(greedy_mask, 1.0, md.temperature)
+            scaled = logits / temp[:, None]
+            scaled = jax.lax.cond(md.any_filter, filter_logits, lambda x, *_: x, scaled,
+                                  md.top_k, md.top_p, md.min_p)
+            keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(md.seeds, md.gen_index)
+            gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (V,), jnp.float32))(keys)
+            return argmax(scaled + gumbel)
+
+        sampled = jax.lax.cond(md.any_random, random_tokens, lambda _: greedy, logits)
+        tokens = jnp.where(greedy_mask, greedy, sampled)
+
+        def stats(raw):
+            return _logprob_stats(jax.nn.log_softmax(raw, axis=-1), tokens)
+        return (tokens, *jax.lax.cond(md.any_logprobs, stats, lambda _: zeros, raw))
+
+    tokens, lp, rank, top_ids, top_lp = jax.lax.cond(
+        plain, lambda x: (argmax(x), *zeros), general, logits)
     counts = state.out_counts.at[md.rows, tokens].add(md.is_final.astype(jnp.int32))
     spare = state.last_token.shape[0] - 1
     last = state.last_token.at[jnp.where(md.is_final, md.rows, spare)].set(tokens)
