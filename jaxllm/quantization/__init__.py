@@ -167,10 +167,10 @@ def online_layout(method: str, name: str, spec, smooth: bool = False) -> QuantLa
     if method == "int4":
         from jaxllm.quantization.formats import int4_group
         return QuantLayout("int4", int4_group(K, INT4_GROUP), offset=True, scale_dtype="float16")
+    # w8a8 and fp8 leave the head (and a tied embedding) float, as vLLM's W8A8 and FP8
+    # checkpoints do: logits are the most sensitive to activation quantization
     if method == "w8a8":
-        if head:
-            return QuantLayout("int8", K, scale_dtype="float16")
-        return QuantLayout("int8", K, smooth=smooth, act="int8")
+        return None if head else QuantLayout("int8", K, smooth=smooth, act="int8")
     if method == "fp8":
         return None if head else QuantLayout("fp8", K, act="fp8")
     raise ValueError(f"{method!r} is not an online quantization method")
