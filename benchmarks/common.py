@@ -22,8 +22,17 @@ def percentiles(values) -> dict:
 def machine() -> str:
     import jax
     dev = jax.devices()[0]
-    return (f"{platform.machine()} {os.cpu_count()} cores, jax {jax.__version__} on "
+    line = (f"{platform.machine()} {os.cpu_count()} cores, jax {jax.__version__} on "
             f"{dev.platform} ({dev.device_kind})")
+    if dev.platform == "cpu":  # which CPU, and whether the kernels multiply on AMX's tiles (cpu.amx)
+        from jaxllm.quantization import cpu
+        try:
+            with open("/proc/cpuinfo") as f:
+                name = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
+        except OSError:
+            name = ""
+        line += f"; {name or 'CPU'}, AMX {'on' if cpu.amx() else 'off'}"
+    return line
 
 
 # environment settings that change what runs (not where caches live)

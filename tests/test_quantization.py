@@ -284,6 +284,51 @@ def test_cpu_kernels_multiply_only_the_real_rows(case):
     np.testing.assert_array_equal(np.asarray(f(x, jnp.int32(M + 5))), np.asarray(f(x, jnp.int32(M))))
 
 
+@pytest.mark.parametrize("case", ["w8a8", "w8a8 smooth", "w8a16 bf16 activations", "bf16 in_out",
+                                  "bf16 out_in"])
+def test_cpu_amx_and_avx512_kernels_agree(case, monkeypatch):
+    """Where the CPU has AMX and Linux grants it, the packed kernels multiply on its tiles;
+    JAXLLM_CPU_AMX=0 keeps them on AVX-512. w8a8's integer sums are the same (equal results);
+    bf16 products are summed in another order. Rows that are not a multiple of the tiles' 16
+    leave the padding out; N = 112 ends on a panel of one tile."""
+    from jaxllm.quantization import cpu
+    if not cpu.available():
+        pytest.fail("the CPU kernels did not build here (see the warning)")
+    N, K = 112, 256
+    smooth = None
+    if case.startswith("bf16"):
+        out_major = case.endswith("out_in")
+        w = jnp.asarray(RNG.standard_normal((3, N, K) if out_major else (3, K, N)), jnp.bfloat16)
+        f = jax.jit(lambda x: cpu.dense_bf16(x, w, jnp.int32(2), out_major))
+        wf = np.asarray(w[2].astype(jnp.float32), np.float64)
+        matrix = wf.T if out_major else wf
+    else:
+        h = F.quantize_int8(RNG.standard_normal((3, N, K)).astype(np.float32)).compact()
+        if "smooth" in case:
+            smooth = RNG.uniform(0.5, 2.0, (3, K)).astype(np.float32)
+        qw = QWeight(jnp.asarray(h.q), jnp.asarray(h.scale), None,
+                     None if smooth is None else jnp.asarray(smooth), jnp.int32(2),
+                     "int8" if case.startswith("w8a8") else "none", "cpu")
+        f = jax.jit(lambda x: cpu.matmul(x, qw, bf16_activations=case.startswith("w8a16")))
+        matrix = h.dequantize()[2].T.astype(np.float64)
+    for M in (8, 16, 17, 40):
+        x = RNG.standard_normal((M, K)).astype(np.float32) * 3
+        if not case.startswith("w8a8"):  # the bf16 policy's activations
+            x = np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
+        monkeypatch.delenv("JAXLLM_CPU_AMX", raising=False)
+        tiles = np.asarray(f(x))
+        monkeypatch.setenv("JAXLLM_CPU_AMX", "0")
+        assert not cpu.amx()
+        avx = np.asarray(f(x))
+        if case.startswith("w8a8"):
+            np.testing.assert_array_equal(tiles, avx, err_msg=f"{case} M={M}")
+        else:
+            assert rel(tiles, avx) < 1e-6, (case, M)
+        exact = (x.astype(np.float64) / (1.0 if smooth is None else smooth[2])) @ matrix
+        # w8a8 quantizes the activations too: near, not equal
+        assert rel(avx, exact) < (2e-2 if case.startswith("w8a8") else 1e-6), (case, M)
+
+
 @pytest.mark.parametrize("kind,group,N,K,M", [("int4", 32, 96, 128, 5), ("int4", 128, 64, 256, 20),
                                                ("int8", 16, 64, 64, 3), ("int8", 32, 48, 96, 17)])
 def test_pallas_group_quantized_matmul(kind, group, N, K, M):

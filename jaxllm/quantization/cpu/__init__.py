@@ -106,6 +106,12 @@ def available() -> bool:
         return _state["ok"]
 
 
+def amx() -> bool:
+    """Whether the packed kernels multiply on AMX's tiles (Intel's matrix unit) here: the CPU
+    has it, Linux grants it, and JAXLLM_CPU_AMX is not 0; otherwise AVX-512 runs them."""
+    return available() and bool(_state["lib"].JaxllmAmx())
+
+
 def prepare_async() -> threading.Thread:
     """Start building the kernels in the background (the first build takes seconds)."""
     t = threading.Thread(target=available, daemon=True)

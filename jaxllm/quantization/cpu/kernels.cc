@@ -34,11 +34,22 @@
 #include <immintrin.h>
 #endif
 
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AMX_BF16__) && \
+    defined(__AVX512BF16__) && defined(__AVX512VNNI__) && defined(__linux__)
+#define JAXLLM_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
+
+#if !defined(JAXLLM_AMX)
+bool amx_on() { return false; }
+#endif
 
 // Run fn(n0, n1) over [0, N) in chunks of `chunk` rows on the pool. The caller takes chunks
 // too, so it never waits on a task that has not started: no deadlock when the pool is busy.
@@ -627,6 +638,87 @@ void w8a8_rows(const int8_t* w, const float* ws, const uint8_t* xu, const float*
 // the +128 of the unsigned activations, come out of the packing.
 constexpr int kPanel = 48;  // columns per packed panel: 3 vectors
 
+#if defined(JAXLLM_AMX)
+// AMX, the tile matrix unit of recent Xeons: one TDPBUSD (TDPBF16PS) multiplies a tile of 16
+// activation rows x 64 bytes of k by a tile of 16 columns and adds into 16 x 16 int32 (f32)
+// sums: 16 times the products of an AVX-512 VNNI instruction. The packed panels below are
+// already in the tiles' order (a column's 4 k of int8, or 2 k of bf16, per 4 bytes), so a
+// panel of 48 columns is three B tiles. Linux hands a process the tile state only when asked;
+// where it refuses (a kernel before 5.16), or with JAXLLM_CPU_AMX=0, the AVX-512 loops run.
+bool amx_on() {
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                      18 /* XFEATURE_XTILEDATA */) == 0;
+  const char* env = std::getenv("JAXLLM_CPU_AMX");
+  return granted && !(env && env[0] == '0');
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// tiles 0-2: sums, 3: activations, 4-6: weights; all 16 rows of 64 bytes. The configuration
+// is the thread's: each task sets it and releases the tiles when done
+inline void amx_begin() {
+  TileConfig c;
+  for (int t = 0; t < 7; ++t) {
+    c.colsb[t] = 64;
+    c.rows[t] = 16;
+  }
+  _tile_loadconfig(&c);
+}
+
+// tiles 0..nr-1 <- 16 activation rows (a, `stride` bytes apart) x nr column tiles of the
+// packed panel, over all of K (a multiple of 64 for int8, 32 for bf16)
+template <bool BF16>
+inline void amx_block(const void* a, int64_t stride, const int32_t* buf, int64_t K, int nr) {
+  constexpr int kstep = BF16 ? 32 : 64, per_entry = BF16 ? 2 : 4, bytes = BF16 ? 2 : 1;
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  for (int64_t k = 0; k < K; k += kstep) {
+    _tile_loadd(3, static_cast<const uint8_t*>(a) + k * bytes, stride);
+    const int32_t* b = buf + k / per_entry * kPanel;
+    _tile_loadd(4, b, kPanel * 4);
+    if (nr > 1) _tile_loadd(5, b + 16, kPanel * 4);
+    if (nr > 2) _tile_loadd(6, b + 32, kPanel * 4);
+    if constexpr (BF16) {
+      _tile_dpbf16ps(0, 3, 4);
+      if (nr > 1) _tile_dpbf16ps(1, 3, 5);
+      if (nr > 2) _tile_dpbf16ps(2, 3, 6);
+    } else {
+      _tile_dpbusd(0, 3, 4);
+      if (nr > 1) _tile_dpbusd(1, 3, 5);
+      if (nr > 2) _tile_dpbusd(2, 3, 6);
+    }
+  }
+}
+
+inline void amx_store(int32_t* c) {
+  _tile_stored(0, c, 64);
+  _tile_stored(1, c + 256, 64);
+  _tile_stored(2, c + 512, 64);
+}
+
+#endif
+
+// a task's tiles: configured at its start, released at its end
+struct AmxScope {
+  explicit AmxScope(bool on) : on(on) {
+#if defined(JAXLLM_AMX)
+    if (on) amx_begin();
+#endif
+  }
+  ~AmxScope() {
+#if defined(JAXLLM_AMX)
+    if (on) _tile_release();
+#endif
+  }
+  bool on;
+};
+
+
 // v[j] (16 x 4-byte groups) <- the j-th group of every v: a 16 x 16 transpose
 inline void transpose16(__m512i* v) {
   __m512i t[16];
@@ -720,14 +812,44 @@ void packed_rows(const int32_t* buf, const int32_t* wsum, const float* ws, const
   for (; m < M; ++m) packed_tile<1, NR>(buf, wsum, ws, xu + m * K, xs + m, K, y + m * N, N);
 }
 
-// columns [n0, n1) (multiples of 16) of y [M, N]
+#if defined(JAXLLM_AMX)
+// packed_rows on AMX: xu holds M rows rounded up to 16 (the padding's sums are dropped); the
+// same integer sums, then the same float arithmetic as packed_tile
+void packed_rows_amx(const int32_t* buf, const int32_t* wsum, const float* ws, const uint8_t* xu,
+                     const float* xs, int64_t M, int64_t K, float* y, int64_t N, int nr) {
+  alignas(64) int32_t c[3 * 256];
+  for (int64_t m0 = 0; m0 < M; m0 += 16) {
+    amx_block<false>(xu + m0 * K, K, buf, K, nr);
+    amx_store(c);
+    for (int r = 0; r < nr; ++r) {
+      const __m512i corr = _mm512_slli_epi32(_mm512_loadu_si512(wsum + 16 * r), 7);  // 128 sum w
+      const __m512 scale = _mm512_loadu_ps(ws + 16 * r);
+      for (int64_t i = 0; i < 16 && m0 + i < M; ++i) {
+        const __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(c + 256 * r + 16 * i), corr));
+        _mm512_storeu_ps(y + (m0 + i) * N + 16 * r,
+                         _mm512_mul_ps(_mm512_mul_ps(dot, _mm512_set1_ps(xs[m0 + i])), scale));
+      }
+    }
+  }
+}
+#else
+void packed_rows_amx(const int32_t*, const int32_t*, const float*, const uint8_t*, const float*,
+                     int64_t, int64_t, float*, int64_t, int) {}
+#endif
+
+// columns [n0, n1) (multiples of 16) of y [M, N]; amx: on the tiles (K a multiple of 64)
 void w8a8_packed(const int8_t* w, const float* ws, const uint8_t* xu, const float* xs, int64_t M,
-                 int64_t K, int64_t n0, int64_t n1, float* y, int64_t N) {
+                 int64_t K, int64_t n0, int64_t n1, float* y, int64_t N, bool amx) {
   std::vector<int32_t> buf(K / 4 * kPanel);
   alignas(64) int32_t wsum[kPanel];
+  AmxScope tiles(amx);
   for (int64_t n = n0; n < n1; n += kPanel) {
     const int nr = static_cast<int>(std::min<int64_t>(kPanel, n1 - n) / 16);
     pack_panel(w, K, n, nr, buf.data(), wsum);
+    if (amx) {
+      packed_rows_amx(buf.data(), wsum, ws + n, xu, xs, M, K, y + n, N, nr);
+      continue;
+    }
     switch (nr) {
       case 3: packed_rows<3>(buf.data(), wsum, ws + n, xu, xs, M, K, y + n, N); break;
       case 2: packed_rows<2>(buf.data(), wsum, ws + n, xu, xs, M, K, y + n, N); break;
@@ -742,7 +864,7 @@ constexpr bool kPackedKernel = true;
 
 constexpr bool kPackedKernel = false;
 void w8a8_packed(const int8_t*, const float*, const uint8_t*, const float*, int64_t, int64_t,
-                 int64_t, int64_t, float*, int64_t) {}
+                 int64_t, int64_t, float*, int64_t, bool) {}
 
 void w8a8_rows(const int8_t* w, const float* ws, const uint8_t* xu, const float* xs, int64_t M,
                int64_t K, int64_t n0, int64_t n1, float* y, int64_t N) {
@@ -784,7 +906,10 @@ ffi::Error W8A8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   const float* sm = smooth ? smooth->typed_data() + l * K : nullptr;
   zero_rows(y->typed_data(), M, xd[0], N);
   if (M == 0) return ffi::Error::Success();
-  auto xu = std::make_shared<std::vector<uint8_t>>(M * K);
+  const bool packed = kPackedKernel && M >= kPackedMinRows && K % 4 == 0 && N % 16 == 0;
+  const bool amx = packed && K % 64 == 0 && amx_on();
+  // AMX reads activations 16 rows at a time: the last tile's padding rows are zeros
+  auto xu = std::make_shared<std::vector<uint8_t>>((amx ? (M + 15) / 16 * 16 : M) * K);
   auto xs = std::make_shared<std::vector<float>>(M);
   const float* xp = x.typed_data();
   uint8_t* xup = xu->data();
@@ -792,9 +917,9 @@ ffi::Error W8A8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   // on this thread: a second round on the pool costs more in wake-ups than it saves
   quantize_rows(xp, sm, M, K, xup, xsp);
   float* yp = y->typed_data();
-  if (kPackedKernel && M >= kPackedMinRows && K % 4 == 0 && N % 16 == 0) {
+  if (packed) {
     parallel_rows(pool, N, kPanel, [=](int64_t n0, int64_t n1) {
-      w8a8_packed(w, wsv->data(), xu->data(), xs->data(), M, K, n0, n1, yp, N);
+      w8a8_packed(w, wsv->data(), xu->data(), xs->data(), M, K, n0, n1, yp, N, amx);
     });
     return ffi::Error::Success();
   }
@@ -1038,34 +1163,68 @@ void bf16_packed_rows(const uint32_t* buf, const uint16_t* xb, int64_t M, int64_
   for (; m < M; ++m) bf16_packed_tile<1, NR>(buf, xb + m * K, K, y + m * N, N);
 }
 
+#if defined(JAXLLM_AMX)
+// bf16_packed_rows on AMX: xb holds M rows rounded up to 16 (the padding's sums are dropped)
+void bf16_amx_rows(const uint32_t* buf, const uint16_t* xb, int64_t M, int64_t K, float* y,
+                   int64_t N, int nr) {
+  alignas(64) int32_t c[3 * 256];
+  for (int64_t m0 = 0; m0 < M; m0 += 16) {
+    amx_block<true>(xb + m0 * K, 2 * K, reinterpret_cast<const int32_t*>(buf), K, nr);
+    if (m0 + 16 <= M) {  // straight into y
+      float* out = y + m0 * N;
+      _tile_stored(0, out, 4 * N);
+      if (nr > 1) _tile_stored(1, out + 16, 4 * N);
+      if (nr > 2) _tile_stored(2, out + 32, 4 * N);
+      continue;
+    }
+    amx_store(c);
+    for (int64_t i = 0; m0 + i < M; ++i)
+      for (int r = 0; r < nr; ++r) std::memcpy(y + (m0 + i) * N + 16 * r, c + 256 * r + 16 * i, 64);
+  }
+}
+#endif
+
+// the panel's columns of y for all M rows: on AMX's tiles when `amx` (K a multiple of 32)
+template <int NR>
+inline void bf16_rows(const uint32_t* buf, const uint16_t* xb, int64_t M, int64_t K, float* y,
+                      int64_t N, bool amx) {
+#if defined(JAXLLM_AMX)
+  if (amx) return bf16_amx_rows(buf, xb, M, K, y, N, NR);
+#endif
+  bf16_packed_rows<NR>(buf, xb, M, K, y, N);
+}
+
+inline void bf16_panel(const uint32_t* buf, const uint16_t* xb, int64_t M, int64_t K, float* y,
+                       int64_t N, int nr, bool amx) {
+  switch (nr) {
+    case 3: bf16_rows<3>(buf, xb, M, K, y, N, amx); break;
+    case 2: bf16_rows<2>(buf, xb, M, K, y, N, amx); break;
+    case 1: bf16_rows<1>(buf, xb, M, K, y, N, amx); break;
+  }
+}
+
 void bf16_packed(const uint16_t* w, const uint16_t* xb, int64_t M, int64_t K, int64_t N,
-                 int64_t n0, int64_t n1, float* y, bool in_out) {
+                 int64_t n0, int64_t n1, float* y, bool in_out, bool amx) {
   std::vector<uint32_t> buf(K / 2 * kPanel);
+  AmxScope tiles(amx);
   for (int64_t n = n0; n < n1; n += kPanel) {
     const int nr = static_cast<int>(std::min<int64_t>(kPanel, n1 - n) / 16);
     if (in_out) pack_bf16_io(w, K, N, n, nr, buf.data());
     else pack_bf16_oi(w, K, n, nr, buf.data());
-    switch (nr) {
-      case 3: bf16_packed_rows<3>(buf.data(), xb, M, K, y + n, N); break;
-      case 2: bf16_packed_rows<2>(buf.data(), xb, M, K, y + n, N); break;
-      case 1: bf16_packed_rows<1>(buf.data(), xb, M, K, y + n, N); break;
-    }
+    bf16_panel(buf.data(), xb, M, K, y + n, N, nr, amx);
   }
 }
 
 // y = xb . (codes * scale)^T for int8 codes [N, K] with one scale per column: the codes as
 // bf16 pairs, the scale applied to each finished panel
 void i8_packed(const int8_t* w, const Scales& sc, const uint16_t* xb, int64_t M, int64_t K,
-               int64_t N, int64_t n0, int64_t n1, float* y) {
+               int64_t N, int64_t n0, int64_t n1, float* y, bool amx) {
   std::vector<uint32_t> buf(K / 2 * kPanel);
+  AmxScope tiles(amx);
   for (int64_t n = n0; n < n1; n += kPanel) {
     const int nr = static_cast<int>(std::min<int64_t>(kPanel, n1 - n) / 16);
     pack_i8_oi(w, K, n, nr, buf.data());
-    switch (nr) {
-      case 3: bf16_packed_rows<3>(buf.data(), xb, M, K, y + n, N); break;
-      case 2: bf16_packed_rows<2>(buf.data(), xb, M, K, y + n, N); break;
-      case 1: bf16_packed_rows<1>(buf.data(), xb, M, K, y + n, N); break;
-    }
+    bf16_panel(buf.data(), xb, M, K, y + n, N, nr, amx);
     alignas(64) float s[kPanel];
     for (int c = 0; c < 16 * nr; ++c) s[c] = sc[n + c];
     for (int64_t m = 0; m < M; ++m)
@@ -1092,10 +1251,10 @@ void round_bf16(const float* x, int64_t n, uint16_t* out) {
 
 constexpr bool kBf16Packed = false;
 void bf16_packed(const uint16_t*, const uint16_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
-                 float*, bool) {}
+                 float*, bool, bool) {}
 void round_bf16(const float*, int64_t, uint16_t*) {}
 void i8_packed(const int8_t*, const Scales&, const uint16_t*, int64_t, int64_t, int64_t, int64_t,
-               int64_t, float*) {}
+               int64_t, float*, bool) {}
 
 #endif
 
@@ -1121,10 +1280,12 @@ ffi::Error Bf16Impl(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer
   zero_rows(yp, M, xd[0], N);
   if (M == 0) return ffi::Error::Success();
   if (kBf16Packed && M >= kBf16PackedMinRows && K % 2 == 0 && N % 16 == 0) {
-    auto xb = std::make_shared<std::vector<uint16_t>>(M * K);
+    const bool amx = K % 32 == 0 && amx_on();
+    // AMX reads activations 16 rows at a time: the last tile's padding rows are zeros
+    auto xb = std::make_shared<std::vector<uint16_t>>((amx ? (M + 15) / 16 * 16 : M) * K);
     round_bf16(xp, M * K, xb->data());
     parallel_rows(pool, N, kPanel, [=](int64_t n0, int64_t n1) {
-      bf16_packed(wp, xb->data(), M, K, N, n0, n1, yp, in_out);
+      bf16_packed(wp, xb->data(), M, K, N, n0, n1, yp, in_out, amx);
     });
     return ffi::Error::Success();
   }
@@ -1160,10 +1321,11 @@ ffi::Error QmmSymBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
   const Scales sc = scales_at(scale, f16, ix.layer * N);
   float* yp = y->typed_data();
   zero_rows(yp, M, xd[0], N);
-  auto xb = std::make_shared<std::vector<uint16_t>>(M * K);
+  const bool amx = amx_on();  // K is a multiple of 32
+  auto xb = std::make_shared<std::vector<uint16_t>>((amx ? (M + 15) / 16 * 16 : M) * K);
   round_bf16(x.typed_data(), M * K, xb->data());
   parallel_rows(pool, N, kPanel, [=](int64_t n0, int64_t n1) {
-    i8_packed(w, sc, xb->data(), M, K, N, n0, n1, yp);
+    i8_packed(w, sc, xb->data(), M, K, N, n0, n1, yp, amx);
   });
   return ffi::Error::Success();
 }
@@ -1714,3 +1876,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmW8A8Smooth, W8A8Smooth,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmBf16InOut, Bf16InOut, BindBf16());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmBf16OutIn, Bf16OutIn, BindBf16());
+
+// whether the packed kernels run on AMX's tiles here and now (the CPU has them, Linux grants
+// them, JAXLLM_CPU_AMX is not 0): for the benchmarks' machine line and the tests
+extern "C" int JaxllmAmx() { return amx_on() ? 1 : 0; }
