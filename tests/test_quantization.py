@@ -311,7 +311,7 @@ def test_cpu_amx_and_avx512_kernels_agree(case, monkeypatch):
                      "int8" if case.startswith("w8a8") else "none", "cpu")
         f = jax.jit(lambda x: cpu.matmul(x, qw, bf16_activations=case.startswith("w8a16")))
         matrix = h.dequantize()[2].T.astype(np.float64)
-    for M in (8, 16, 17, 40):
+    for M in (4, 8, 16, 17, 40):  # bf16 on AMX from 4 rows, w8a8 from 8
         x = RNG.standard_normal((M, K)).astype(np.float32) * 3
         if not case.startswith("w8a8"):  # the bf16 policy's activations
             x = np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))

@@ -132,7 +132,7 @@ def matmul(x: jax.Array, w, rows=None, bf16_activations: bool = False) -> jax.Ar
     """x [.., K] @ W^T -> [.., N] f32 through the kernels; w is a QWeight. rows: only the first
     `rows` rows of x (flattened) are real, the others are padding: their outputs are zeros.
     bf16_activations: x holds bf16 values (the caller rounded it) and w is per-channel int8
-    (QWeight.per_channel_int8): from 16 rows they multiply as bf16 pairs."""
+    (QWeight.per_channel_int8): from 16 rows (4 on AMX) they multiply as bf16 pairs."""
     lead, K = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, K).astype(jnp.float32)
     stack = (lambda a: a) if w.layer is not None else (lambda a: None if a is None else a[None])
