@@ -116,6 +116,39 @@ def test_sampling_matches_expected_distribution(cfg):
         assert chi2 < stats.chi2.ppf(0.999, live.sum() - 1), (counts, n * want)
 
 
+def test_filter_from_candidates_equals_the_full_sort(monkeypatch):
+    """filter_logits decides a row from its 64 largest logits when its kept prefix ends among
+    them, else from 1,024, else by sorting the row, with the sort's mask in every case. Which
+    path ran shows by replacing the sort with NaNs: peaked rows never reach it, a top-k past
+    the candidates (whose mass is then unknown) and flat rows do. A row without filters keeps
+    every token beside filtered ones."""
+    rng = np.random.default_rng(7)
+    V = 3000
+    peaked = (rng.standard_normal((12, V)) * 4).astype(np.float32)
+    top_k = np.array([0, 5, 0, 0, 2000, 0, 40, 0, 0, 1500, 0, 0], np.int32)
+    top_p = np.array([1.0, 1.0, 0.9, 0.5, 0.95, 1.0, 0.8, 0.999, 1.0, 1.0, 0.3, 0.99], np.float32)
+    min_p = np.array([0.0, 0.0, 0.0, 0.1, 0.0, 0.05, 0.0, 0.0, 0.0, 0.001, 0.2, 0.0], np.float32)
+    sets = {"64": [0, 1, 3, 6, 10], "1024": [2, 7, 9, 11, 8], "sort": list(range(12))}
+    want = {name: np.asarray(S._filter_sorted(peaked[r], top_k[r], top_p[r], min_p[r]))
+            for name, r in sets.items()}
+    flat = (rng.standard_normal((2, V)) * 0.5).astype(np.float32)
+    flat_args = (np.zeros(2, np.int32), np.array([0.9, 1.0], np.float32), np.zeros(2, np.float32))
+    want["flat"] = np.asarray(S._filter_sorted(flat, *flat_args))
+    assert np.isinf(want["flat"][0]).any() and not np.isinf(want["flat"][1]).any()
+    assert (~np.isinf(want["1024"])).sum(-1)[:3].max() > 64  # beyond the first candidates
+    monkeypatch.setattr(S, "_filter_sorted", lambda x, *_: jnp.full_like(x, jnp.nan))
+    for name in ("64", "1024"):
+        r = sets[name]
+        np.testing.assert_array_equal(np.asarray(S.filter_logits(peaked[r], top_k[r], top_p[r], min_p[r])),
+                                      want[name])
+    r = sets["sort"]
+    assert np.isnan(np.asarray(S.filter_logits(peaked[r], top_k[r], top_p[r], min_p[r]))).all()
+    assert np.isnan(np.asarray(S.filter_logits(flat, *flat_args))).all()
+    monkeypatch.setattr(S, "FILTER_CANDIDATES", (64,))
+    r = sets["1024"]
+    assert np.isnan(np.asarray(S.filter_logits(peaked[r], top_k[r], top_p[r], min_p[r]))).all()
+
+
 def test_seed_draws_do_not_depend_on_the_batch():
     rng = np.random.default_rng(0)
     logits = rng.standard_normal((8, 50)).astype(np.float32)

@@ -137,8 +137,56 @@ def apply_penalties(logits, counts, prompt_mask, rep, freq, pres):
     return logits - freq[:, None] * counts - pres[:, None] * out_mask
 
 
+FILTER_CANDIDATES = (64, 1024)  # the largest logits tried before a full sort, in turn
+
+
 def filter_logits(logits, top_k, top_p, min_p):
-    """min_p, then top-k, then top-p over what is left (renormalised); masked to -inf."""
+    """min_p, then top-k, then top-p over what is left (renormalised); masked to -inf.
+
+    Every filter keeps a prefix of the row in descending order, so the kept set ends at the
+    row's n-th largest logit. XLA:CPU sorts [64, 49,152] in about 0.5 s, while the 64 largest
+    take ~5 ms: the candidates decide a row when its kept prefix ends among them (what lies
+    beyond enters only through the softmax's normaliser and min_p's mass, both taken over the
+    whole row); otherwise 1,024 candidates are tried, then the full sort."""
+    S, V = logits.shape
+    k_eff = jnp.where(top_k <= 0, V, jnp.minimum(top_k, V))
+    active = (top_k > 0) | (top_p < 1.0) | (min_p > 0.0)
+    lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+    p = jnp.exp(logits - lse)
+    in_min_p = p >= min_p[:, None] * jnp.max(p, axis=-1, keepdims=True)
+    n_min_p = jnp.sum(in_min_p, axis=-1)
+    mass_min_p = jnp.sum(jnp.where(in_min_p, p, 0.0), axis=-1)
+
+    def masked(threshold):
+        return jnp.where(logits < threshold[:, None], _NEG_INF, logits)
+
+    def from_candidates(K, fallback):
+        def run(logits):
+            desc, _ = jax.lax.top_k(logits, K)
+            n_set = jnp.minimum(k_eff, n_min_p)  # min_p's and top-k's prefix
+            kept = jnp.where(jnp.arange(K)[None, :] < n_set[:, None], jnp.exp(desc - lse), 0.0)
+            # top-k cuts min_p's set: its mass is the candidates' when it ends among them
+            mass = jnp.where(k_eff >= n_min_p, mass_min_p, kept.sum(-1))
+            kept = kept / mass[:, None]
+            n_top_p = jnp.sum((jnp.cumsum(kept, axis=-1) - kept) < top_p[:, None], axis=-1)
+            n_top_p = jnp.where(n_top_p < K, n_top_p, V)  # the prefix goes on past K
+            n_keep = jnp.maximum(jnp.minimum(n_set, n_top_p), 1)
+            decided = ~active | ((n_keep <= K) & ((k_eff >= n_min_p) | (k_eff <= K)))
+            threshold = jnp.take_along_axis(desc, jnp.minimum(n_keep, K)[:, None] - 1, axis=-1)[:, 0]
+            threshold = jnp.where(active, threshold, _NEG_INF)
+            if K == V:
+                return masked(threshold)
+            return jax.lax.cond(jnp.all(decided), lambda x: masked(threshold), fallback, logits)
+        return run
+
+    path = lambda x: _filter_sorted(x, top_k, top_p, min_p)  # noqa: E731
+    for K in sorted({min(c, V) for c in FILTER_CANDIDATES}, reverse=True):
+        path = from_candidates(K, path)
+    return path(logits)
+
+
+def _filter_sorted(logits, top_k, top_p, min_p):
+    """filter_logits by a full sort of each row."""
     V = logits.shape[-1]
     desc = -jnp.sort(-logits, axis=-1)
     probs = jax.nn.softmax(desc, axis=-1)
@@ -151,7 +199,9 @@ def filter_logits(logits, top_k, top_p, min_p):
     keep &= (jnp.cumsum(kept, axis=-1) - kept) < top_p[:, None]
     n_keep = jnp.maximum(jnp.sum(keep, axis=-1), 1)
     threshold = jnp.take_along_axis(desc, (n_keep - 1)[:, None], axis=-1)
-    return jnp.where(logits < threshold, _NEG_INF, logits)
+    # a row without filters keeps every token (the cumulative sum may pass 1 before its tail)
+    active = (top_k > 0) | (top_p < 1.0) | (min_p > 0.0)
+    return jnp.where(active[:, None] & (logits < threshold), _NEG_INF, logits)
 
 
 def _logprob_stats(logprobs, chosen):
