@@ -149,6 +149,26 @@ def test_filter_from_candidates_equals_the_full_sort(monkeypatch):
     assert np.isnan(np.asarray(S.filter_logits(peaked[r], top_k[r], top_p[r], min_p[r]))).all()
 
 
+def test_draw_inverts_the_cumulative_distribution():
+    """draw() over several chunks of the vocabulary: at evenly spaced u the counts are n * p
+    within rounding, entries of probability zero (a whole chunk of them too) are never drawn,
+    and the largest u lands on the last live entry."""
+    V = 3000  # chunks of 1,024: the live entries sit at both ends of a chunk and in the last
+    live = np.array([3, 1023, 1024, 1500, 2047, 2990])
+    x = np.full(V, -np.inf, np.float32)
+    x[live] = [0.5, 2.0, -1.0, 1.0, 0.0, 1.5]
+    n = 4000
+    u = ((np.arange(n) + 0.5) / n).astype(np.float32)
+    got = np.asarray(jax.jit(S.draw)(jnp.tile(x, (n, 1)), u))
+    p = np.exp(x[live] - x[live].max())
+    p /= p.sum()
+    counts = np.array([(got == t).sum() for t in live])
+    assert counts.sum() == n, np.unique(got)
+    assert np.abs(counts - n * p).max() <= 2, (counts, n * p)
+    assert np.all(np.diff(got) >= 0)  # increasing u, increasing token: the inverse CDF
+    assert int(S.draw(jnp.asarray(x[None]), jnp.asarray([1 - 2 ** -23], jnp.float32))[0]) == 2990
+
+
 def test_seed_draws_do_not_depend_on_the_batch():
     rng = np.random.default_rng(0)
     logits = rng.standard_normal((8, 50)).astype(np.float32)
