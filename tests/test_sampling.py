@@ -139,8 +139,8 @@ def test_filter_from_candidates_equals_the_full_sort(monkeypatch):
     monkeypatch.setattr(S, "_filter_sorted", lambda x, *_: jnp.full_like(x, jnp.nan))
     for name in ("64", "1024"):
         r = sets[name]
-        np.testing.assert_array_equal(np.asarray(S.filter_logits(peaked[r], top_k[r], top_p[r], min_p[r])),
-                                      want[name])
+        got = np.asarray(S.filter_logits(peaked[r], top_k[r], top_p[r], min_p[r]))
+        np.testing.assert_array_equal(got, want[name])
     r = sets["sort"]
     assert np.isnan(np.asarray(S.filter_logits(peaked[r], top_k[r], top_p[r], min_p[r]))).all()
     assert np.isnan(np.asarray(S.filter_logits(flat, *flat_args))).all()

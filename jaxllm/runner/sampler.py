@@ -188,8 +188,8 @@ def filter_logits(logits, top_k, top_p, min_p):
             n_top_p = jnp.where(n_top_p < K, n_top_p, V)  # the prefix goes on past K
             n_keep = jnp.maximum(jnp.minimum(n_set, n_top_p), 1)
             decided = ~active | ((n_keep <= K) & ((k_eff >= n_min_p) | (k_eff <= K)))
-            threshold = jnp.take_along_axis(desc, jnp.minimum(n_keep, K)[:, None] - 1, axis=-1)[:, 0]
-            threshold = jnp.where(active, threshold, _NEG_INF)
+            last = jnp.minimum(n_keep, K)[:, None] - 1
+            threshold = jnp.where(active, jnp.take_along_axis(desc, last, axis=-1)[:, 0], _NEG_INF)
             if K == V:
                 return masked(threshold)
             return jax.lax.cond(jnp.all(decided), lambda x: masked(threshold), fallback, logits)

@@ -23,6 +23,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -717,7 +718,6 @@ struct AmxScope {
   }
   bool on;
 };
-
 
 // v[j] (16 x 4-byte groups) <- the j-th group of every v: a 16 x 16 transpose
 inline void transpose16(__m512i* v) {
