@@ -109,6 +109,31 @@ def test_dtype_cast_on_restore_and_dummy(tiny_llama, tmp_path):
         jo._check_params(stored, "ckpt", ["q"], [jax.ShapeDtypeStruct((2,), jnp.float32)])
 
 
+def test_cpu_panels_are_packed_at_load_and_saved_unpacked(tmp_path, tokenizer_dir):
+    """On a CPU with the kernels the bf16 policy keeps panel-sized layer stacks as packed
+    panels; a checkpoint converted from it holds the plain [L, K, N] bf16 stacks, and restoring
+    it packs them again: the same logits."""
+    from jaxllm.layers.linear import CPU_BF16_POLICY
+    from jaxllm.quantization import cpu
+    from test_models import PANEL_SHAPES
+    src, out = str(tmp_path / "src"), str(tmp_path / "ckpt")
+    make_tiny_checkpoint(src, "llama3", tokenizer_dir, **PANEL_SHAPES)
+    plain = load_model(src, jnp.bfloat16, load_tokenizer=False)   # XLA's bf16: no kernel
+    packed = load_model(src, CPU_BF16_POLICY, load_tokenizer=False)
+    w = packed.state["layers"]["w_gate_up"][...]
+    assert w.dtype == jnp.uint32 and w.shape == (2, 192 // cpu.PANEL, 96 // 2, cpu.PANEL)
+    np.testing.assert_array_equal(np.asarray(cpu.from_panels(w)),
+                                  np.asarray(plain.state["layers"]["w_gate_up"][...]))
+    assert main(["convert", src, out, "--dtype", "bfloat16"]) == 0
+    assert jo.read_metadata(out)["params"]["layers.wqkv"] == {"shape": [2, 96, 192], "dtype": "bfloat16"}
+    restored = load_model(out, jnp.bfloat16, load_tokenizer=False)
+    for name, r, g in zip(*jo.flatten(plain.state)[:2], jo.flatten(restored.state)[1]):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(r), err_msg=name)
+    again = load_model(out, CPU_BF16_POLICY, load_tokenizer=False)
+    ids = list(range(3, 20))
+    np.testing.assert_array_equal(all_logits(again, ids), all_logits(packed, ids))
+
+
 def test_restore_onto_2_and_4_devices_reads_only_each_shard(tmp_path, tokenizer_dir):
     """Checkpoints converted for 2 devices (in Python) and 4 (by the CLI, which makes its own
     CPU devices) restore with each device holding only its shard, equal to the safetensors

@@ -285,7 +285,7 @@ def test_cpu_kernels_multiply_only_the_real_rows(case):
 
 
 @pytest.mark.parametrize("case", ["w8a8", "w8a8 smooth", "w8a16 bf16 activations", "bf16 in_out",
-                                  "bf16 out_in"])
+                                  "bf16 out_in", "bf16 panels"])
 def test_cpu_amx_and_avx512_kernels_agree(case, monkeypatch):
     """Where the CPU has AMX and Linux grants it, the packed kernels multiply on its tiles;
     JAXLLM_CPU_AMX=0 keeps them on AVX-512. w8a8's integer sums are the same (equal results);
@@ -294,12 +294,13 @@ def test_cpu_amx_and_avx512_kernels_agree(case, monkeypatch):
     from jaxllm.quantization import cpu
     if not cpu.available():
         pytest.fail("the CPU kernels did not build here (see the warning)")
-    N, K = 112, 256
+    N, K = (144 if case.endswith("panels") else 112), 256
     smooth = None
     if case.startswith("bf16"):
-        out_major = case.endswith("out_in")
+        out_major, panels = case.endswith("out_in"), case.endswith("panels")
         w = jnp.asarray(RNG.standard_normal((3, N, K) if out_major else (3, K, N)), jnp.bfloat16)
-        f = jax.jit(lambda x: cpu.dense_bf16(x, w, jnp.int32(2), out_major))
+        wk = cpu.to_panels(w) if panels else w
+        f = jax.jit(lambda x: cpu.dense_bf16(x, wk, jnp.int32(2), out_major, panels=panels))
         wf = np.asarray(w[2].astype(jnp.float32), np.float64)
         matrix = wf.T if out_major else wf
     else:
@@ -311,7 +312,7 @@ def test_cpu_amx_and_avx512_kernels_agree(case, monkeypatch):
                      "int8" if case.startswith("w8a8") else "none", "cpu")
         f = jax.jit(lambda x: cpu.matmul(x, qw, bf16_activations=case.startswith("w8a16")))
         matrix = h.dequantize()[2].T.astype(np.float64)
-    for M in (4, 8, 16, 17, 40):  # bf16 on AMX from 4 rows, w8a8 from 8
+    for M in (1, 3, 4, 8, 16, 17, 40):  # bf16 on AMX from 4 rows, w8a8 from 8
         x = RNG.standard_normal((M, K)).astype(np.float32) * 3
         if not case.startswith("w8a8"):  # the bf16 policy's activations
             x = np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))

@@ -80,6 +80,13 @@ def resolve_policy(dtype: str, platform: str, devices: int = 1) -> DTypePolicy:
     return uniform_policy(dtype)
 
 
+def uses_dense_kernel(policy: DTypePolicy, mesh) -> bool:
+    """Whether a model's bf16 float matrices go through the CPU kernel (DenseWeight)."""
+    from jaxllm.quantization import matmul_backend
+    return (jnp.dtype(policy.weight) == jnp.bfloat16 and jnp.dtype(policy.dot) == jnp.float32
+            and matmul_backend(mesh) == "cpu")
+
+
 def cpu_kernels() -> bool:
     """Whether a one-device CPU model runs its matmuls through the CPU kernels (they read bf16
     weights at twice the f32 dot's speed at decode; without them bf16 is slower than f32)."""
@@ -92,13 +99,15 @@ def cpu_kernels() -> bool:
 class DenseWeight:
     """A bf16 float matrix for the CPU kernel: a layer stack [L, K, N] with the index of the
     layer to use (read in place: XLA would copy a slice of the stack out first), or one
-    matrix; out_major: [N, K] (a tied embedding table as the head)."""
+    matrix; out_major: [N, K] (a tied embedding table as the head); panels: a layer stack
+    packed at load (jaxllm.quantization.cpu.to_panels)."""
     w: jax.Array
     layer: jax.Array | int | None = None
     out_major: bool = field(default=False, metadata=dict(static=True))
+    panels: bool = field(default=False, metadata=dict(static=True))
 
     def at(self, layer) -> "DenseWeight":
-        return DenseWeight(self.w, layer, self.out_major)
+        return DenseWeight(self.w, layer, self.out_major, self.panels)
 
 
 def linear(x: jax.Array, w, policy: DTypePolicy, bias: jax.Array | None = None,
@@ -116,7 +125,7 @@ def linear(x: jax.Array, w, policy: DTypePolicy, bias: jax.Array | None = None,
         y = matmul(x, w, policy, rows)
     elif isinstance(w, DenseWeight):
         from jaxllm.quantization import cpu
-        y = cpu.dense_bf16(x, w.w, w.layer, w.out_major, rows)
+        y = cpu.dense_bf16(x, w.w, w.layer, w.out_major, rows, w.panels)
     elif policy.accum == policy.dot:
         y = jnp.dot(x.astype(policy.dot), w.astype(policy.dot))
     else:

@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from jaxllm.layers.linear import DTypePolicy, uniform_policy
+from jaxllm.layers.linear import DTypePolicy, uniform_policy, uses_dense_kernel
 from jaxllm.loader import orbax
 from jaxllm.loader.hf import StackedWeights
 from jaxllm.loader.safetensors_io import checkpoint_files, read_safetensors
@@ -423,6 +423,9 @@ def load_model(model: str | None, policy, load_format: str = "auto", seed: int =
         eos = eos[0] if eos else None
     if eos is None and tok is not None:
         eos = tok.eos_token_id
+    if uses_dense_kernel(policy, mesh):
+        from jaxllm.quantization import cpu
+        state = cpu.panel_state(state, pack=True)
     logger.info("loaded %s (%d layers) from %s; dtype policy %s; weights %.1f MiB%s", arch.architecture,
                 arch.num_layers, path, policy.describe(), qmethods.weight_bytes(state) / 2**20,
                 "" if quant is None else f" ({describe_quant(quant)})")

@@ -17,13 +17,13 @@ import numpy as np
 from flax import nnx
 
 from jaxllm.layers.attention import AttentionMetadata, attention_block
-from jaxllm.layers.linear import DenseWeight, DTypePolicy, linear, uniform_policy
+from jaxllm.layers.linear import DenseWeight, DTypePolicy, linear, uniform_policy, uses_dense_kernel
 from jaxllm.layers.norm import rms_norm
 from jaxllm.layers.rotary import apply_rope, rope_inv_freq, rope_mscale
 from jaxllm.models.arch import ArchConfig
 from jaxllm.models.base import ParamSpec, Target, WeightMap
 from jaxllm.parallel import platform_of
-from jaxllm.quantization import QuantSpec, matmul_backend, out_in, quantized_specs
+from jaxllm.quantization import QuantSpec, out_in, quantized_specs
 from jaxllm.quantization.qweight import QWeight, embed_rows
 
 
@@ -206,8 +206,7 @@ class LlamaForCausalLM(nnx.Module):
         self.scan_layers = scan_layers
         self.quant = quant
         # bf16 float matrices on a CPU go through the kernel that widens them in registers
-        self.dense_kernel = (jnp.dtype(policy.weight) == jnp.bfloat16 and jnp.dtype(policy.dot) == jnp.float32
-                             and matmul_backend(mesh) == "cpu")
+        self.dense_kernel = uses_dense_kernel(policy, mesh)
         specs = self.param_specs(cfg)
         full = quantized_specs(specs, quant)
 
@@ -287,7 +286,10 @@ class LlamaForCausalLM(nnx.Module):
 
         weights = self.layers.weights()
         if self.dense_kernel:
-            weights = {k: DenseWeight(w) if not isinstance(w, QWeight) and w.ndim == 3 else w
+            # layer stacks are [L, K, N] bf16, or panels packed at load (uint32, 4-d)
+            weights = {k: w if isinstance(w, QWeight) else
+                       DenseWeight(w, panels=True) if w.ndim == 4 and w.dtype == jnp.uint32 else
+                       DenseWeight(w) if w.ndim == 3 else w
                        for k, w in weights.items()}
         # quantized (and kernel-read) stacks are read in place at the layer's index
         kinds = (QWeight, DenseWeight)

@@ -33,6 +33,7 @@ TARGETS = {"jaxllm_qmm": "JaxllmQmm", "jaxllm_qmm_sym": "JaxllmQmmSym",
            "jaxllm_w8a8": "JaxllmW8A8", "jaxllm_w8a8_smooth": "JaxllmW8A8Smooth",
            "jaxllm_qmm_sym_bf16": "JaxllmQmmSymBf16",
            "jaxllm_bf16_in_out": "JaxllmBf16InOut", "jaxllm_bf16_out_in": "JaxllmBf16OutIn",
+           "jaxllm_bf16_panels": "JaxllmBf16Panels",
            "jaxllm_decode_attention": "JaxllmDecodeAttention",
            "jaxllm_prefill_attention": "JaxllmPrefillAttention"}
 
@@ -112,6 +113,53 @@ def amx() -> bool:
     return available() and bool(_state["lib"].JaxllmAmx())
 
 
+PANEL = 48  # columns of a packed panel (kernels.cc kPanel)
+
+
+def panels_apply(w) -> bool:
+    """Whether a bf16 layer stack [L, K, N] is kept as packed panels (`to_panels`): the
+    kernels are here and have AVX512-BF16, K is a multiple of 32 and N of 48."""
+    if w.ndim != 3 or jnp.dtype(w.dtype) != jnp.bfloat16 or w.shape[1] % 32 or w.shape[2] % PANEL:
+        return False
+    return available() and bool(_state["lib"].JaxllmBf16PanelsBuilt())
+
+
+@jax.jit
+def to_panels(w: jax.Array) -> jax.Array:
+    """bf16 [L, K, N] -> uint32 [L, N / 48, K / 2, 48]: for each 48-column panel, each pair of
+    k of each column as one word (low half k even), the panel's words contiguous: the order
+    the kernels multiply in (kernels.cc Bf16Panels), made once at load."""
+    L, K, N = w.shape
+    bits = jax.lax.bitcast_convert_type(w, jnp.uint16).astype(jnp.uint32).reshape(L, K // 2, 2, N)
+    words = bits[:, :, 0] | (bits[:, :, 1] << 16)                      # [L, K/2, N]
+    return words.reshape(L, K // 2, N // PANEL, PANEL).transpose(0, 2, 1, 3)
+
+
+@jax.jit
+def from_panels(p: jax.Array) -> jax.Array:
+    """The inverse of `to_panels`: bf16 [L, K, N]."""
+    L, P, KP, _ = p.shape
+    words = p.transpose(0, 2, 1, 3).reshape(L, KP, P * PANEL)
+    bits = jnp.stack([words & 0xFFFF, words >> 16], axis=2).astype(jnp.uint16)
+    return jax.lax.bitcast_convert_type(bits.reshape(L, 2 * KP, P * PANEL), jnp.bfloat16)
+
+
+def panel_state(state, pack: bool):
+    """A model state with its float layer stacks (`layers.<name>`, not a quantized matrix's
+    parts) packed as panels where `panels_apply` (pack), or unpacked back to [L, K, N] bf16:
+    the loader packs once for the engine; a checkpoint is written unpacked."""
+    def one(path, x):
+        keys = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+        if keys and keys[-1] == "value":
+            keys = keys[:-1]
+        if len(keys) != 2 or keys[0] != "layers":
+            return x
+        if pack:
+            return to_panels(x) if panels_apply(x) else x
+        return from_panels(x) if x.ndim == 4 and x.dtype == jnp.uint32 else x
+    return jax.tree_util.tree_map_with_path(one, state)
+
+
 def prepare_async() -> threading.Thread:
     """Start building the kernels in the background (the first build takes seconds)."""
     t = threading.Thread(target=available, daemon=True)
@@ -157,11 +205,17 @@ def matmul(x: jax.Array, w, rows=None, bf16_activations: bool = False) -> jax.Ar
 
 
 def dense_bf16(x: jax.Array, w: jax.Array, layer=None, out_major: bool = False,
-               rows=None) -> jax.Array:
+               rows=None, panels: bool = False) -> jax.Array:
     """x [.., K] @ a bf16 matrix -> [.., N] f32, widening the weights in registers. w: a stack
     [L, K, N] read at `layer` in place (no slice copied), or one matrix [K, N]; out_major: the
-    matrix is [N, K] (a tied embedding table as the head); rows: as in `matmul`."""
+    matrix is [N, K] (a tied embedding table as the head); panels: w is a stack made by
+    `to_panels`; rows: as in `matmul`."""
     lead, K = x.shape[:-1], x.shape[-1]
+    if panels:
+        out = jax.ShapeDtypeStruct((prod(lead), w.shape[1] * PANEL), jnp.float32)
+        y = jax.ffi.ffi_call("jaxllm_bf16_panels", out)(x.reshape(-1, K).astype(jnp.float32), w,
+                                                       _index(layer, rows))
+        return y.reshape(*lead, out.shape[1])
     w3 = w if layer is not None else w[None]
     N = w3.shape[1] if out_major else w3.shape[2]
     out = jax.ShapeDtypeStruct((prod(lead), N), jnp.float32)

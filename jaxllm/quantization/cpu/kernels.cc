@@ -583,6 +583,8 @@ void quantize_rows(const float* x, const float* smooth, int64_t M, int64_t K, ui
   }
 }
 
+constexpr int kPanel = 48;  // columns per packed panel: 3 vectors
+
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
 
 template <int NR, int MR>
@@ -637,7 +639,6 @@ void w8a8_rows(const int8_t* w, const float* ws, const uint8_t* xu, const float*
 // activation bytes times that vector then adds into 16 outputs at once: no horizontal sums,
 // and each packed panel (in L1/L2) serves every row. The per-column sums of the weights, for
 // the +128 of the unsigned activations, come out of the packing.
-constexpr int kPanel = 48;  // columns per packed panel: 3 vectors
 
 #if defined(JAXLLM_AMX)
 // AMX, the tile matrix unit of recent Xeons: one TDPBUSD (TDPBF16PS) multiplies a tile of 16
@@ -1253,6 +1254,7 @@ constexpr bool kBf16Packed = false;
 void bf16_packed(const uint16_t*, const uint16_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
                  float*, bool, bool) {}
 void round_bf16(const float*, int64_t, uint16_t*) {}
+void bf16_panel(const uint32_t*, const uint16_t*, int64_t, int64_t, float*, int64_t, int, bool) {}
 void i8_packed(const int8_t*, const Scales&, const uint16_t*, int64_t, int64_t, int64_t, int64_t,
                int64_t, float*, bool) {}
 
@@ -1331,6 +1333,40 @@ ffi::Error QmmSymBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
   round_bf16(x.typed_data(), M * K, xb->data());
   parallel_rows(pool, N, kPanel, [=](int64_t n0, int64_t n1) {
     i8_packed(w, sc, xb->data(), M, K, N, n0, n1, yp, amx);
+  });
+  return ffi::Error::Success();
+}
+
+// w: [L, P, K / 2, 48] uint32, each 48-column panel of a bf16 [K, N] matrix (N = 48 P) packed
+// once at load in the order the kernels above pack it per call (pack_bf16_io): a panel is
+// then K / 2 x 192 contiguous bytes, and a call reads the weights once, in order. Packing per
+// call cost more than the products at every row count (the four layer matmuls of the default
+// model over 30 layers, one thread: 31 -> 18 ms at 64 rows, 21 -> 9.5 ms at 4).
+ffi::Error Bf16Panels(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U32> w,
+                      ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 4 || wd[3] != kPanel)
+    return ffi::Error::InvalidArgument("bf16 panels: x must be [M, K], w [L, P, K / 2, 48]");
+  const int64_t K = xd[1], L = wd[0], P = wd[1], N = P * kPanel;
+  if (wd[2] * 2 != K || K % 32)
+    return ffi::Error::InvalidArgument("bf16 panels: shapes do not match (K a multiple of 32)");
+  if (!kBf16Packed)
+    return ffi::Error::InvalidArgument("bf16 panels: this CPU has no AVX512-BF16");
+  Index ix;
+  if (auto e = read_index(layer, L, xd[0], &ix); e.failure()) return e;
+  const int64_t M = ix.rows;
+  const uint32_t* wp = w.typed_data() + ix.layer * P * (K / 2) * kPanel;
+  float* yp = y->typed_data();
+  zero_rows(yp, M, xd[0], N);
+  if (M == 0) return ffi::Error::Success();
+  const bool amx = M >= kBf16AmxMinRows && amx_on();
+  // AMX reads activations 16 rows at a time: the last tile's padding rows are zeros
+  auto xb = std::make_shared<std::vector<uint16_t>>((amx ? (M + 15) / 16 * 16 : M) * K);
+  round_bf16(x.typed_data(), M * K, xb->data());
+  parallel_rows(pool, N, kPanel, [=](int64_t n0, int64_t n1) {
+    AmxScope tiles(amx);
+    for (int64_t n = n0; n < n1; n += kPanel)
+      bf16_panel(wp + n / kPanel * (K / 2) * kPanel, xb->data(), M, K, yp + n, N, 3, amx);
   });
   return ffi::Error::Success();
 }
@@ -1892,6 +1928,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmW8A8Smooth, W8A8Smooth,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmBf16InOut, Bf16InOut, BindBf16());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmBf16OutIn, Bf16OutIn, BindBf16());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmBf16Panels, Bf16Panels,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+// whether Bf16Panels runs here (AVX512-BF16): the loader packs bf16 matrices only then
+extern "C" int JaxllmBf16PanelsBuilt() { return kBf16Packed ? 1 : 0; }
 
 // whether the packed kernels run on AMX's tiles here and now (the CPU has them, Linux grants
 // them, JAXLLM_CPU_AMX is not 0): for the benchmarks' machine line and the tests
