@@ -16,9 +16,11 @@ weights in registers instead, reading each layer's matrix in place: 1.9x the f32
 rows (decode reads half the bytes), 1.5x at 8, 1.2x at 16-64, equal at 256
 (dots_stack_2026-11-24_cpu.json). From 16 rows the kernel multiplies bf16 activations by pairs
 with vdpbf16ps from packed weight panels ([64, 576] x [576, 1536]: 157 -> 249 GFLOP/s), and on
-a Xeon with AMX from 4 rows on its tiles (the four layer matmuls x 30 at 64 rows: 74 -> 20 ms);
-the policy rounds activations to bf16 before every such dot, so a request computes the same
-numbers in any batch. So on a CPU where the kernels build (one device), `auto` and `bfloat16`
+a Xeon with AMX from 4 rows on its tiles (the four layer matmuls x 30 at 64 rows: 74 -> 20 ms).
+Layer stacks whose shapes allow it are packed into those panels once at load
+(jaxllm.quantization.cpu.to_panels) and read so at every row count: packing per call had cost
+more than the products. The policy rounds activations to bf16 before every such dot, so a
+request computes the same numbers in any batch. So on a CPU where the kernels build (one device), `auto` and `bfloat16`
 are `CPU_BF16_POLICY`: bf16 weights, f32 element-wise work, bf16-rounded activations times
 bf16 weights in f32 through the kernel. Elsewhere on a CPU (tensor parallelism, no
 compiler) `auto` is f32 and `bfloat16` the same policy on XLA's slower dots; bf16 element-wise
