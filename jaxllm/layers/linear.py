@@ -20,9 +20,9 @@ a Xeon with AMX from 4 rows on its tiles (the four layer matmuls x 30 at 64 rows
 Layer stacks whose shapes allow it are packed into those panels once at load
 (jaxllm.quantization.cpu.to_panels) and read so at every row count: packing per call had cost
 more than the products. The policy rounds activations to bf16 before every such dot, so a
-request computes the same numbers in any batch. So on a CPU where the kernels build (one device), `auto` and `bfloat16`
-are `CPU_BF16_POLICY`: bf16 weights, f32 element-wise work, bf16-rounded activations times
-bf16 weights in f32 through the kernel. Elsewhere on a CPU (tensor parallelism, no
+request computes the same numbers in any batch. So on a CPU where the kernels build (one
+device), `auto` and `bfloat16` are `CPU_BF16_POLICY`: bf16 weights, f32 element-wise work,
+bf16-rounded activations times bf16 weights in f32 through the kernel. Elsewhere on a CPU (tensor parallelism, no
 compiler) `auto` is f32 and `bfloat16` the same policy on XLA's slower dots; bf16 element-wise
 work is never used on a CPU (XLA:CPU runs it far slower). On a GPU `auto` and `bfloat16` are
 bf16 throughout.

@@ -248,6 +248,22 @@ def _param_name(path_keys) -> str:
     return ".".join(keys)
 
 
+def panel_state(state, pack: bool):
+    """A model state with its float layer stacks (`layers.<name>`, not a quantized matrix's
+    parts) packed as the CPU kernels' panels where they apply (pack), or unpacked back to
+    [L, K, N] bf16: load_model packs once for the engine; a checkpoint is written unpacked."""
+    from jaxllm.quantization import cpu
+
+    def one(path, x):
+        name = _param_name(path).split(".")
+        if len(name) != 2 or name[0] != "layers":
+            return x
+        if pack:
+            return cpu.to_panels(x) if cpu.panels_apply(x) else x
+        return cpu.from_panels(x) if x.ndim == 4 and x.dtype == np.uint32 else x
+    return jax.tree_util.tree_map_with_path(one, state)
+
+
 def abstract_model(arch: ArchConfig, policy: DTypePolicy, attention_backend: str, mesh,
                    quant: qmethods.QuantSpec | None = None):
     """The model's graph, the shapes of its parameters (no memory) and their shardings on
@@ -424,8 +440,7 @@ def load_model(model: str | None, policy, load_format: str = "auto", seed: int =
     if eos is None and tok is not None:
         eos = tok.eos_token_id
     if uses_dense_kernel(policy, mesh):
-        from jaxllm.quantization import cpu
-        state = cpu.panel_state(state, pack=True)
+        state = panel_state(state, pack=True)
     logger.info("loaded %s (%d layers) from %s; dtype policy %s; weights %.1f MiB%s", arch.architecture,
                 arch.num_layers, path, policy.describe(), qmethods.weight_bytes(state) / 2**20,
                 "" if quant is None else f" ({describe_quant(quant)})")

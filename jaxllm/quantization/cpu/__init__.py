@@ -144,22 +144,6 @@ def from_panels(p: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits.reshape(L, 2 * KP, P * PANEL), jnp.bfloat16)
 
 
-def panel_state(state, pack: bool):
-    """A model state with its float layer stacks (`layers.<name>`, not a quantized matrix's
-    parts) packed as panels where `panels_apply` (pack), or unpacked back to [L, K, N] bf16:
-    the loader packs once for the engine; a checkpoint is written unpacked."""
-    def one(path, x):
-        keys = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
-        if keys and keys[-1] == "value":
-            keys = keys[:-1]
-        if len(keys) != 2 or keys[0] != "layers":
-            return x
-        if pack:
-            return to_panels(x) if panels_apply(x) else x
-        return from_panels(x) if x.ndim == 4 and x.dtype == jnp.uint32 else x
-    return jax.tree_util.tree_map_with_path(one, state)
-
-
 def prepare_async() -> threading.Thread:
     """Start building the kernels in the background (the first build takes seconds)."""
     t = threading.Thread(target=available, daemon=True)
