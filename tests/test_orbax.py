@@ -134,6 +134,36 @@ def test_cpu_panels_are_packed_at_load_and_saved_unpacked(tmp_path, tokenizer_di
     np.testing.assert_array_equal(all_logits(again, ids), all_logits(packed, ids))
 
 
+def test_cpu_w8a8_codes_are_packed_at_load_and_saved_unpacked(tmp_path, tokenizer_dir):
+    """w8a8 in the CPU kernels keeps panel-sized layer stacks' int8 codes as packed panels
+    followed by their columns' sums; the packed model computes exactly what its unpacked codes
+    do through the per-call packing (the same integer sums); a checkpoint converted from it
+    holds the plain int8 codes, and restoring packs them again."""
+    import dataclasses
+    from jaxllm.loader.loader import panel_state
+    from jaxllm.quantization import cpu
+    from test_models import PANEL_SHAPES
+    src, out = str(tmp_path / "src"), str(tmp_path / "ckpt")
+    make_tiny_checkpoint(src, "llama3", tokenizer_dir, **PANEL_SHAPES)
+    packed = load_model(src, jnp.float32, load_tokenizer=False, quantization="w8a8")
+    assert packed.quant.backend == "cpu"
+    q = packed.state["layers"]["w_gate_up"]["q"][...]
+    assert q.dtype == jnp.int32 and q.shape == (2, 192 // cpu.PANEL, 96 // 4 + 1, cpu.PANEL)
+    plain = panel_state(packed.state, pack=False)
+    codes = np.asarray(plain["layers"]["w_gate_up"]["q"][...])
+    assert codes.dtype == np.int8 and codes.shape == (2, 192, 96)
+    np.testing.assert_array_equal(np.asarray(q[:, :, -1]),
+                                  codes.astype(np.int32).sum(-1).reshape(2, 192 // cpu.PANEL, cpu.PANEL))
+    ids = list(range(3, 20))
+    np.testing.assert_array_equal(all_logits(dataclasses.replace(packed, state=plain), ids),
+                                  all_logits(packed, ids))
+    assert main(["convert", src, out, "--dtype", "float32", "-q", "w8a8"]) == 0
+    assert jo.read_metadata(out)["params"]["layers.w_gate_up.q"] == {"shape": [2, 192, 96], "dtype": "int8"}
+    again = load_model(out, jnp.float32, load_tokenizer=False, quantization="w8a8")
+    assert again.state["layers"]["w_gate_up"]["q"][...].dtype == jnp.int32
+    np.testing.assert_array_equal(all_logits(again, ids), all_logits(packed, ids))
+
+
 def test_restore_onto_2_and_4_devices_reads_only_each_shard(tmp_path, tokenizer_dir):
     """Checkpoints converted for 2 devices (in Python) and 4 (by the CLI, which makes its own
     CPU devices) restore with each device holding only its shard, equal to the safetensors

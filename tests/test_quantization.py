@@ -1,6 +1,7 @@
 """Quantized weights: formats against references, the CPU kernels against the XLA path,
 quantized checkpoints (ours, AWQ, GPTQ, compressed-tensors, GGUF) against the float model
 holding the same dequantized weights, tensor parallelism, and refusals."""
+import dataclasses
 import json
 import os
 import subprocess
@@ -248,7 +249,7 @@ def test_cpu_w8a16_kernel_with_bf16_activations():
 
 
 @pytest.mark.parametrize("case", ["int4 g64", "int4 g32 int8 blocks", "int8 g16 with offsets", "w8a8",
-                                  "w8a8 smooth", "bf16 in_out", "bf16 out_in"])
+                                  "w8a8 smooth", "w8a8 panels", "bf16 in_out", "bf16 out_in"])
 def test_cpu_kernels_multiply_only_the_real_rows(case):
     """A step padded to its bucket tells the kernels how many leading rows are real: their
     result is exactly that of the real rows alone (the same path: from 16 rows the bf16 kernel
@@ -269,6 +270,8 @@ def test_cpu_kernels_multiply_only_the_real_rows(case):
         smooth = jnp.asarray(RNG.uniform(0.5, 2.0, (3, K)).astype(np.float32)) if "smooth" in case else None
         qw = QWeight(*[None if a is None else jnp.asarray(a) for a in (h.q, h.scale, h.offset)],
                      smooth, jnp.int32(2), act, "cpu")
+        if case.endswith("panels"):
+            qw = dataclasses.replace(qw, q=cpu.to_i8_panels(qw.q))
 
         def run(x, rows):
             return cpu.matmul(x, qw, rows)
@@ -284,13 +287,14 @@ def test_cpu_kernels_multiply_only_the_real_rows(case):
     np.testing.assert_array_equal(np.asarray(f(x, jnp.int32(M + 5))), np.asarray(f(x, jnp.int32(M))))
 
 
-@pytest.mark.parametrize("case", ["w8a8", "w8a8 smooth", "w8a16 bf16 activations", "bf16 in_out",
-                                  "bf16 out_in", "bf16 panels"])
+@pytest.mark.parametrize("case", ["w8a8", "w8a8 smooth", "w8a8 panels", "w8a8 smooth panels",
+                                  "w8a16 bf16 activations", "bf16 in_out", "bf16 out_in", "bf16 panels"])
 def test_cpu_amx_and_avx512_kernels_agree(case, monkeypatch):
     """Where the CPU has AMX and Linux grants it, the packed kernels multiply on its tiles;
     JAXLLM_CPU_AMX=0 keeps them on AVX-512. w8a8's integer sums are the same (equal results);
     bf16 products are summed in another order. Rows that are not a multiple of the tiles' 16
-    leave the padding out; N = 112 ends on a panel of one tile."""
+    leave the padding out; N = 112 ends on a panel of one tile. w8a8's panels packed at load
+    give exactly what its codes packed per call do, at every row count."""
     from jaxllm.quantization import cpu
     if not cpu.available():
         pytest.fail("the CPU kernels did not build here (see the warning)")
@@ -312,6 +316,11 @@ def test_cpu_amx_and_avx512_kernels_agree(case, monkeypatch):
                      "int8" if case.startswith("w8a8") else "none", "cpu")
         f = jax.jit(lambda x: cpu.matmul(x, qw, bf16_activations=case.startswith("w8a16")))
         matrix = h.dequantize()[2].T.astype(np.float64)
+        if case.endswith("panels"):
+            unpacked = f
+            qw = dataclasses.replace(qw, q=cpu.to_i8_panels(qw.q))
+            np.testing.assert_array_equal(np.asarray(cpu.from_i8_panels(qw.q)), h.q)
+            f = jax.jit(lambda x: cpu.matmul(x, qw))
     for M in (1, 3, 4, 8, 16, 17, 40):  # bf16 on AMX from 4 rows, w8a8 from 8
         x = RNG.standard_normal((M, K)).astype(np.float32) * 3
         if not case.startswith("w8a8"):  # the bf16 policy's activations
@@ -323,6 +332,10 @@ def test_cpu_amx_and_avx512_kernels_agree(case, monkeypatch):
         avx = np.asarray(f(x))
         if case.startswith("w8a8"):
             np.testing.assert_array_equal(tiles, avx, err_msg=f"{case} M={M}")
+            if case.endswith("panels"):
+                np.testing.assert_array_equal(avx, np.asarray(unpacked(x)), err_msg=f"{case} M={M}")
+                monkeypatch.delenv("JAXLLM_CPU_AMX", raising=False)
+                np.testing.assert_array_equal(tiles, np.asarray(unpacked(x)), err_msg=f"{case} M={M}")
         else:
             assert rel(tiles, avx) < 1e-6, (case, M)
         exact = (x.astype(np.float64) / (1.0 if smooth is None else smooth[2])) @ matrix

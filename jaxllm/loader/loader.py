@@ -248,18 +248,29 @@ def _param_name(path_keys) -> str:
     return ".".join(keys)
 
 
-def panel_state(state, pack: bool):
-    """A model state with its float layer stacks (`layers.<name>`, not a quantized matrix's
-    parts) packed as the CPU kernels' panels where they apply (pack), or unpacked back to
-    [L, K, N] bf16: load_model packs once for the engine; a checkpoint is written unpacked."""
+def panel_state(state, pack: bool, dense: bool = True, quant: qmethods.QuantSpec | None = None):
+    """A model state with its layer stacks packed as the CPU kernels' panels where they apply
+    (pack), or unpacked back: load_model packs once for the engine; a checkpoint is written
+    unpacked. Packed: float stacks (`layers.<name>`, bf16 [L, K, N]) when `dense`, and the
+    codes of w8a8 stacks in the CPU kernels (`layers.<name>.q`, int8 [L, N, K]) by `quant`."""
     from jaxllm.quantization import cpu
+
+    def w8a8(prefix: str) -> bool:
+        layout = None if quant is None or quant.backend != "cpu" else quant.get(prefix)
+        return layout is not None and layout.act == "int8"
 
     def one(path, x):
         name = _param_name(path).split(".")
-        if len(name) != 2 or name[0] != "layers":
+        if name[0] != "layers" or len(name) not in (2, 3):
             return x
+        if len(name) == 3:  # a quantized matrix's part
+            if name[2] != "q":
+                return x
+            if pack:
+                return cpu.to_i8_panels(x) if w8a8(".".join(name[:2])) and cpu.i8_panels_apply(x) else x
+            return cpu.from_i8_panels(x) if x.ndim == 4 and x.dtype == np.int32 else x
         if pack:
-            return cpu.to_panels(x) if cpu.panels_apply(x) else x
+            return cpu.to_panels(x) if dense and cpu.panels_apply(x) else x
         return cpu.from_panels(x) if x.ndim == 4 and x.dtype == np.uint32 else x
     return jax.tree_util.tree_map_with_path(one, state)
 
@@ -439,8 +450,7 @@ def load_model(model: str | None, policy, load_format: str = "auto", seed: int =
         eos = eos[0] if eos else None
     if eos is None and tok is not None:
         eos = tok.eos_token_id
-    if uses_dense_kernel(policy, mesh):
-        state = panel_state(state, pack=True)
+    state = panel_state(state, pack=True, dense=uses_dense_kernel(policy, mesh), quant=quant)
     logger.info("loaded %s (%d layers) from %s; dtype policy %s; weights %.1f MiB%s", arch.architecture,
                 arch.num_layers, path, policy.describe(), qmethods.weight_bytes(state) / 2**20,
                 "" if quant is None else f" ({describe_quant(quant)})")

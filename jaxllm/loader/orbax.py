@@ -245,8 +245,8 @@ def save(loaded, out: str, *, dtype: str, source: str, load_format: str = "auto"
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise ValueError(f"output directory {out} already exists and is not empty")
     from jaxllm.loader.loader import panel_state
-    # a CPU engine's bf16 layer stacks are packed for its kernels: the checkpoint holds them
-    # as any other engine reads them
+    # a CPU engine's bf16 layer stacks and w8a8 codes are packed for its kernels: the
+    # checkpoint holds them as any other engine reads them
     names, leaves, _ = flatten(panel_state(loaded.state, pack=False))
     start = time.perf_counter()
     os.makedirs(out, exist_ok=True)

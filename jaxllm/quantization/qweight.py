@@ -32,6 +32,7 @@ from jaxllm.quantization.formats import FP8_MAX, NIBBLE_BLOCK
 @dataclass
 class QWeight:
     q: jax.Array                      # uint8 (int4 packed) | int8 | float8_e4m3fn  [.., N, K']
+    #                                   or int32 w8a8 panels (`panels`)
     scale: jax.Array                  # f32 [.., N, K/G]
     offset: jax.Array | None = None   # f32 [.., N, K/G] (asymmetric formats)
     smooth: jax.Array | None = None   # f32 [.., K]: SmoothQuant divides activations by it
@@ -40,18 +41,26 @@ class QWeight:
     backend: str = field(default="xla", metadata=dict(static=True))   # xla | cpu | pallas
 
     @property
+    def panels(self) -> bool:
+        """w8a8 codes packed at load as the CPU kernels' panels (int32 [.., N/48, K/4 + 1, 48],
+        jaxllm.quantization.cpu.to_i8_panels)."""
+        return self.q.dtype == jnp.int32
+
+    @property
     def kind(self) -> str:
         if self.q.dtype == jnp.uint8:
             return "int4"
-        return "int8" if self.q.dtype == jnp.int8 else "fp8"
+        return "int8" if self.q.dtype in (jnp.int8, jnp.int32) else "fp8"
 
     @property
     def in_features(self) -> int:
+        if self.panels:
+            return (self.q.shape[-2] - 1) * 4
         return self.q.shape[-1] * (2 if self.kind == "int4" else 1)
 
     @property
     def out_features(self) -> int:
-        return self.q.shape[-2]
+        return self.q.shape[-3] * self.q.shape[-1] if self.panels else self.q.shape[-2]
 
     @property
     def group(self) -> int:

@@ -34,6 +34,8 @@ TARGETS = {"jaxllm_qmm": "JaxllmQmm", "jaxllm_qmm_sym": "JaxllmQmmSym",
            "jaxllm_qmm_sym_bf16": "JaxllmQmmSymBf16",
            "jaxllm_bf16_in_out": "JaxllmBf16InOut", "jaxllm_bf16_out_in": "JaxllmBf16OutIn",
            "jaxllm_bf16_panels": "JaxllmBf16Panels",
+           "jaxllm_w8a8_panels": "JaxllmW8A8Panels",
+           "jaxllm_w8a8_panels_smooth": "JaxllmW8A8PanelsSmooth",
            "jaxllm_decode_attention": "JaxllmDecodeAttention",
            "jaxllm_prefill_attention": "JaxllmPrefillAttention"}
 
@@ -144,6 +146,36 @@ def from_panels(p: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits.reshape(L, 2 * KP, P * PANEL), jnp.bfloat16)
 
 
+def i8_panels_apply(q) -> bool:
+    """Whether a w8a8 layer stack's codes (int8 [L, N, K]) are kept as packed panels
+    (`to_i8_panels`): the kernels are here and have AVX512-VNNI, K is a multiple of 4 and N of
+    48 (AMX multiplies them where K is also a multiple of 64, as it does unpacked codes)."""
+    if q.ndim != 3 or jnp.dtype(q.dtype) != jnp.int8 or q.shape[2] % 4 or q.shape[1] % PANEL:
+        return False
+    return available() and bool(_state["lib"].JaxllmI8PanelsBuilt())
+
+
+@jax.jit
+def to_i8_panels(q: jax.Array) -> jax.Array:
+    """int8 codes [L, N, K] -> int32 [L, N / 48, K / 4 + 1, 48]: for each 48-column panel, each
+    column's 4 consecutive k as one word (the order VNNI and AMX multiply in, kernels.cc
+    W8A8Panels), then a row of the columns' sums (the kernels' correction for their unsigned
+    activations); made once at load."""
+    L, N, K = q.shape
+    words = jax.lax.bitcast_convert_type(q.reshape(L, N, K // 4, 4), jnp.int32)  # [L, N, K/4]
+    panels = words.reshape(L, N // PANEL, PANEL, K // 4).transpose(0, 1, 3, 2)
+    sums = q.astype(jnp.int32).sum(-1).reshape(L, N // PANEL, 1, PANEL)
+    return jnp.concatenate([panels, sums], axis=2)
+
+
+@jax.jit
+def from_i8_panels(p: jax.Array) -> jax.Array:
+    """The inverse of `to_i8_panels`: int8 [L, N, K]."""
+    L, P, KQ, _ = p.shape
+    words = p[:, :, :KQ - 1].transpose(0, 1, 3, 2).reshape(L, P * PANEL, KQ - 1)
+    return jax.lax.bitcast_convert_type(words, jnp.int8).reshape(L, P * PANEL, (KQ - 1) * 4)
+
+
 def prepare_async() -> threading.Thread:
     """Start building the kernels in the background (the first build takes seconds)."""
     t = threading.Thread(target=available, daemon=True)
@@ -170,9 +202,14 @@ def matmul(x: jax.Array, w, rows=None, bf16_activations: bool = False) -> jax.Ar
     stack = (lambda a: a) if w.layer is not None else (lambda a: None if a is None else a[None])
     q, scale, offset, smooth = stack(w.q), stack(w.scale), stack(w.offset), stack(w.smooth)
     layer = _index(w.layer, rows)
-    N = q.shape[1]
+    N = w.out_features
     out = jax.ShapeDtypeStruct((x2.shape[0], N), jnp.float32)
-    if w.act == "int8":
+    if w.panels:
+        if smooth is not None:
+            y = jax.ffi.ffi_call("jaxllm_w8a8_panels_smooth", out)(x2, q, scale, smooth, layer)
+        else:
+            y = jax.ffi.ffi_call("jaxllm_w8a8_panels", out)(x2, q, scale, layer)
+    elif w.act == "int8":
         if smooth is not None:
             y = jax.ffi.ffi_call("jaxllm_w8a8_smooth", out)(x2, q, scale, smooth, layer)
         else:

@@ -859,12 +859,29 @@ void w8a8_packed(const int8_t* w, const float* ws, const uint8_t* xu, const floa
   }
 }
 
+// columns [n0, n1) (whole panels) of y [M, N] from panels packed at load (W8A8Panels): each
+// panel is K / 4 rows of 48 words, then the 48 columns' sums
+void w8a8_panels(const int32_t* w, const float* ws, const uint8_t* xu, const float* xs, int64_t M,
+                 int64_t K, int64_t n0, int64_t n1, float* y, int64_t N, bool amx) {
+  AmxScope tiles(amx);
+  for (int64_t n = n0; n < n1; n += kPanel) {
+    const int32_t* buf = w + n / kPanel * (K / 4 + 1) * kPanel;
+    const int32_t* wsum = buf + K / 4 * kPanel;
+    if (amx)
+      packed_rows_amx(buf, wsum, ws + n, xu, xs, M, K, y + n, N, 3);
+    else
+      packed_rows<3>(buf, wsum, ws + n, xu, xs, M, K, y + n, N);
+  }
+}
+
 constexpr bool kPackedKernel = true;
 
 #else
 
 constexpr bool kPackedKernel = false;
 void w8a8_packed(const int8_t*, const float*, const uint8_t*, const float*, int64_t, int64_t,
+                 int64_t, int64_t, float*, int64_t, bool) {}
+void w8a8_panels(const int32_t*, const float*, const uint8_t*, const float*, int64_t, int64_t,
                  int64_t, int64_t, float*, int64_t, bool) {}
 
 void w8a8_rows(const int8_t* w, const float* ws, const uint8_t* xu, const float* xs, int64_t M,
@@ -928,6 +945,59 @@ ffi::Error W8A8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
     w8a8_rows(w, wsv->data(), xu->data(), xs->data(), M, K, n0, n1, yp, N);
   });
   return ffi::Error::Success();
+}
+
+// w: [L, P, K / 4 + 1, 48] int32: each 48-column panel of an int8 [N, K] matrix packed once at
+// load in the order pack_panel packs it per call, followed by its columns' sums (the +128 of
+// the unsigned activations). A call then reads the weights once, in order, at every row
+// count: on AMX's tiles from kI8AmxMinRows rows, with VNNI below that.
+constexpr int64_t kI8AmxMinRows = 4;
+
+ffi::Error W8A8PanelsImpl(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::S32>& w,
+                          ffi::AnyBuffer& scale, std::optional<ffi::Buffer<ffi::F32>> smooth,
+                          ffi::Buffer<ffi::S32>& layer, ffi::ResultBuffer<ffi::F32>& y) {
+  auto xd = x.dimensions(), wd = w.dimensions(), sd = scale.dimensions();
+  if (xd.size() != 2 || wd.size() != 4 || wd[3] != kPanel || sd.size() != 3)
+    return ffi::Error::InvalidArgument("w8a8 panels: x must be [M, K], w [L, P, K / 4 + 1, 48], scale [L, N, 1]");
+  const int64_t K = xd[1], L = wd[0], P = wd[1], N = P * kPanel;
+  if (K % 4 || wd[2] != K / 4 + 1 || sd[0] != L || sd[1] != N || sd[2] != 1)
+    return ffi::Error::InvalidArgument("w8a8 panels: shapes do not match (K a multiple of 4)");
+  if (!kPackedKernel)
+    return ffi::Error::InvalidArgument("w8a8 panels: this CPU has no AVX512-VNNI");
+  Index ix;
+  if (auto e = read_index(layer, L, xd[0], &ix); e.failure()) return e;
+  const int64_t l = ix.layer, M = ix.rows;
+  bool f16 = false;
+  if (!scale_type(scale, &f16)) return ffi::Error::InvalidArgument("w8a8 panels: scale must be float16 or float32");
+  auto wsv = std::make_shared<std::vector<float>>(N);
+  const Scales sc = scales_at(scale, f16, l * N);
+  for (int64_t n = 0; n < N; ++n) (*wsv)[n] = sc[n];
+  float* yp = y->typed_data();
+  zero_rows(yp, M, xd[0], N);
+  if (M == 0) return ffi::Error::Success();
+  const bool amx = M >= kI8AmxMinRows && K % 64 == 0 && amx_on();
+  // AMX reads activations 16 rows at a time: the last tile's padding rows' sums are dropped
+  auto xu = std::make_shared<std::vector<uint8_t>>((amx ? (M + 15) / 16 * 16 : M) * K);
+  auto xs = std::make_shared<std::vector<float>>(M);
+  quantize_rows(x.typed_data(), smooth ? smooth->typed_data() + l * K : nullptr, M, K, xu->data(),
+                xs->data());
+  const int32_t* wp = w.typed_data() + l * P * (K / 4 + 1) * kPanel;
+  parallel_rows(pool, N, kPanel, [=](int64_t n0, int64_t n1) {
+    w8a8_panels(wp, wsv->data(), xu->data(), xs->data(), M, K, n0, n1, yp, N, amx);
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error W8A8Panels(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> w,
+                      ffi::AnyBuffer scale, ffi::Buffer<ffi::S32> layer,
+                      ffi::ResultBuffer<ffi::F32> y) {
+  return W8A8PanelsImpl(pool, x, w, scale, std::nullopt, layer, y);
+}
+
+ffi::Error W8A8PanelsSmooth(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> w,
+                            ffi::AnyBuffer scale, ffi::Buffer<ffi::F32> smooth,
+                            ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+  return W8A8PanelsImpl(pool, x, w, scale, smooth, layer, y);
 }
 
 ffi::Error W8A8Plain(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
@@ -1926,6 +1996,25 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmW8A8Smooth, W8A8Smooth,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmW8A8Panels, W8A8Panels,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmW8A8PanelsSmooth, W8A8PanelsSmooth,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmBf16InOut, Bf16InOut, BindBf16());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmBf16OutIn, Bf16OutIn, BindBf16());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmBf16Panels, Bf16Panels,
@@ -1938,6 +2027,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmBf16Panels, Bf16Panels,
 
 // whether Bf16Panels runs here (AVX512-BF16): the loader packs bf16 matrices only then
 extern "C" int JaxllmBf16PanelsBuilt() { return kBf16Packed ? 1 : 0; }
+
+// whether W8A8Panels runs here (AVX512-VNNI): the loader packs w8a8 matrices only then
+extern "C" int JaxllmI8PanelsBuilt() { return kPackedKernel ? 1 : 0; }
 
 // whether the packed kernels run on AMX's tiles here and now (the CPU has them, Linux grants
 // them, JAXLLM_CPU_AMX is not 0): for the benchmarks' machine line and the tests
