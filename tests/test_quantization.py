@@ -321,7 +321,7 @@ def test_cpu_amx_and_avx512_kernels_agree(case, monkeypatch):
             qw = dataclasses.replace(qw, q=cpu.to_i8_panels(qw.q))
             np.testing.assert_array_equal(np.asarray(cpu.from_i8_panels(qw.q)), h.q)
             f = jax.jit(lambda x: cpu.matmul(x, qw))
-    for M in (1, 3, 4, 8, 16, 17, 40):  # bf16 on AMX from 4 rows, w8a8 from 8
+    for M in (1, 3, 4, 8, 16, 17, 40):  # bf16 on AMX from 4 rows, w8a8 from 8 (its panels from 5)
         x = RNG.standard_normal((M, K)).astype(np.float32) * 3
         if not case.startswith("w8a8"):  # the bf16 policy's activations
             x = np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
