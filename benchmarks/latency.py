@@ -32,39 +32,58 @@ def add_args(p: argparse.ArgumentParser) -> None:
 class _Recorder:
     """Keeps the inputs of the steps the runner launches that decode the whole batch (one
     token for each of `batch` sequences), to replay the middle one: its context length is
-    the decode phase's average."""
+    the decode phase's average. With multi-step scheduling these are the calls of full
+    passes (each sequence num_scheduler_steps of them)."""
 
     def __init__(self, runner):
         self.runner, self.steps, self.batch = runner, [], 0
-        self._run = runner._run_forward
+        self._run, self._run_passes = runner._run_forward, runner._run_passes
+
+        def whole(md) -> bool:
+            tokens = int(md.query_start_loc[-1])
+            return tokens == self.batch and int((md.seq_lens > 0).sum()) == self.batch
 
         def run(shape, inputs, *a, **kw):
-            md = inputs[1]
-            tokens = int(md.query_start_loc[-1])
-            if tokens == self.batch and int((md.seq_lens > 0).sum()) == self.batch:
-                self.steps.append((shape, inputs))
+            if whole(inputs[1]):
+                self.steps.append((shape, inputs, None))
             return self._run(shape, inputs, *a, **kw)
-        runner._run_forward = run
+
+        def run_passes(shape, inputs, num, *a, **kw):
+            if whole(inputs[1]) and (num[:self.batch] == runner.num_passes).all():
+                self.steps.append((shape, inputs, num))
+            return self._run_passes(shape, inputs, num, *a, **kw)
+        runner._run_forward, runner._run_passes = run, run_passes
 
     def middle(self):
-        return self.steps[len(self.steps) // 2]
+        calls = [s for s in self.steps if s[2] is not None] or self.steps
+        return calls[len(calls) // 2]
 
 
-def device_step_seconds(runner, shape, inputs, steps: int) -> float:
+def device_step_seconds(runner, shape, inputs, steps: int, num=None) -> float:
     """The device's own time for one step: the same compiled step run `steps` times back to
-    back, inputs already on the device, no host work in between."""
+    back, inputs already on the device, no host work in between. A multi-step call (`num`:
+    its passes per row) is run whole and its time divided by its passes."""
     import jax
     from jaxllm.runner.model_runner import bitmask_words, sampling_only
-    forward, sample = runner._compiled[shape], runner._compiled_sample[shape[1]]
     args = runner._put(inputs)
     smd = sampling_only(args[-1])
-    mask = runner._put(np.full((shape[1], bitmask_words(runner.vocab)), -1, np.int32))
     kv, sampler = runner.kv_cache, runner.sampler_state
+    passes = 1
+    if num is not None:
+        call, passes = runner._compiled_passes[shape], int(num.max())
+        num = runner._put(num)
 
-    def step(kv, sampler):  # forward and sampling, as the engine launches them
-        logits, _, kv = forward(runner.state, kv, sampler, *args)
-        res, sampler = sample(logits, sampler, smd, mask, runner._no_mask)
-        return res, kv, sampler
+        def step(kv, sampler):  # the call as the engine launches it
+            res, kv, sampler = call(runner.state, kv, sampler, *args[:3], smd, num)
+            return res, kv, sampler
+    else:
+        forward, sample = runner._compiled[shape], runner._compiled_sample[shape[1]]
+        mask = runner._put(np.full((shape[1], bitmask_words(runner.vocab)), -1, np.int32))
+
+        def step(kv, sampler):  # forward and sampling, as the engine launches them
+            logits, _, kv = forward(runner.state, kv, sampler, *args)
+            res, sampler = sample(logits, sampler, smd, mask, runner._no_mask)
+            return res, kv, sampler
 
     res, kv, sampler = step(kv, sampler)  # once more, to settle
     jax.block_until_ready(res)
@@ -74,14 +93,15 @@ def device_step_seconds(runner, shape, inputs, steps: int) -> float:
         for _ in range(steps):
             res, kv, sampler = step(kv, sampler)
         jax.block_until_ready(res)
-        blocks.append((time.perf_counter() - t) / steps)
+        blocks.append((time.perf_counter() - t) / steps / passes)
     runner.kv_cache, runner.sampler_state = kv, sampler
     return float(np.median(blocks))
 
 
 def _run_batch(engine, requests) -> tuple[float, float, int, float]:
     """Runs requests to completion: (seconds to the last first token, seconds of the steady
-    decode phase, its steps, the engine thread's CPU seconds in that phase). That phase runs
+    decode phase, its steps (forward passes read back in it), the engine thread's CPU seconds in
+    that phase). That phase runs
     from the moment every request has its first token to the moment the first one finishes
     (prompts are prefilled a budget at a time, so the requests finish at different steps):
     every step in it decodes the whole batch. It is timed whole: with async scheduling one
@@ -101,10 +121,10 @@ def _run_batch(engine, requests) -> tuple[float, float, int, float]:
             if out.outputs[0].token_ids:
                 waiting.discard(out.request_id)
             if out.finished and last is None and first is not None:
-                last, steps_at_last = time.perf_counter(), engine.runner.num_steps
+                last, steps_at_last = time.perf_counter(), engine.runner.num_steps_collected
                 cpu_last = time.thread_time()
         if first is None and not waiting:
-            first, steps_at_first = time.perf_counter(), engine.runner.num_steps
+            first, steps_at_first = time.perf_counter(), engine.runner.num_steps_collected
             cpu_first = time.thread_time()
     if last is None:  # one output token: no decode phase
         last, steps_at_last, cpu_last = first, steps_at_first, cpu_first
@@ -145,7 +165,8 @@ def run(args) -> int:
     sizes = sorted({1, *(int(b) for b in str(args.batch_size).split(","))})
     results = {"workload": {"input_len": args.input_len, "output_len": args.output_len,
                             "batch_sizes": sizes, "num_iters": args.num_iters},
-               "async_scheduling": getattr(engine.config, "async_scheduling", False)}
+               "async_scheduling": getattr(engine.config, "async_scheduling", False),
+               "num_scheduler_steps": engine.config.num_scheduler_steps}
     count = 0
     for batch in sizes:
         recorder.batch = batch
@@ -167,11 +188,12 @@ def run(args) -> int:
                 host_cpu.append(cpu / n)
                 e2e.append(time.perf_counter() - t0 - t_first)
         # a step that decoded the whole batch, replayed: the device's time alone
-        shape, inputs = recorder.middle()
-        device = device_step_seconds(engine.runner, shape, inputs, args.replay_steps)
+        shape, inputs, num = recorder.middle()
+        device = device_step_seconds(engine.runner, shape, inputs, args.replay_steps, num)
         step = float(np.median(steps))
         entry = {"ttft_s": percentiles(ttft), "decode_step_s": percentiles(steps),
                  "device_step_s": device, "step_shape": list(shape),
+                 "replayed_passes": 1 if num is None else int(num.max()),
                  # what the host adds to a step that the device does not hide
                  "exposed_host_s": step - device, "host_cpu_s": float(np.median(host_cpu)),
                  "e2e_s": percentiles(e2e)}

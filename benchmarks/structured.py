@@ -79,7 +79,7 @@ def split_step_cost(engine, recorded) -> dict:
     from jaxllm.runner.model_runner import bitmask_words, sampling_only
 
     runner = engine.runner
-    shape, inputs = recorded
+    shape, inputs, _ = recorded  # a single step: structured outputs run no multi-step calls
     S = shape[1]
     forward, sample = runner._compiled[shape], runner._compiled_sample[S]
     args = runner._put(inputs)

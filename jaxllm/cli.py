@@ -61,6 +61,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="automatic prefix caching (default on)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule the next step while the device runs this one (default on)")
+    g.add_argument("--num-scheduler-steps", type=int, default=None,
+                   help="decode passes per device call while every request decodes (multi-step "
+                        "scheduling; default 1: off)")
     g.add_argument("--scheduling-policy", default=None, choices=["fcfs", "priority"])
     g.add_argument("--preemption-mode", default=None, choices=["recompute", "swap"])
     g.add_argument("--swap-space", type=float, default=None, help="GiB of host memory for swap")

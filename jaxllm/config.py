@@ -48,6 +48,11 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # the host schedules step N+1 while the device runs step N (outputs are identical)
     async_scheduling: bool = True
+    # decode passes per dispatch (vLLM V0's multi-step scheduling): while every running
+    # request decodes, one device call runs this many passes, each sampling the next pass's
+    # tokens on the device, and the host's per-step work is shared over them. Outputs are
+    # the same; a request arriving meanwhile waits for the call to end. 1: off
+    num_scheduler_steps: int = 1
     scheduling_policy: str = "fcfs"      # or "priority": lower `priority` values first
     preemption_mode: str = "recompute"   # or "swap": blocks go to host memory and back
     swap_space: float = 4.0              # GiB of host memory for swapped blocks
@@ -123,6 +128,12 @@ class EngineConfig:
         if self.enable_lora and self.speculative_config is not None:
             raise ValueError("speculative_config is not supported with enable_lora yet (proposals "
                              "and their verification would need the request's adapter)")
+        _positive("num_scheduler_steps", self.num_scheduler_steps)
+        if self.num_scheduler_steps > 1 and self.speculative_config is not None:
+            raise ValueError("num_scheduler_steps > 1 does not combine with speculative_config "
+                             "(both make a step emit several tokens; choose one)")
+        if self.num_scheduler_steps > 1 and self.num_processes > 1:
+            raise ValueError("num_scheduler_steps > 1 is not supported across processes yet")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
             raise ValueError("num_gpu_blocks_override must be at least 2 (one is the null block)")
 

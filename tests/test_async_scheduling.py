@@ -2,7 +2,8 @@
 preemption by recompute and by swap, logprobs) gives the same outputs with the host
 scheduling step N+1 while the device runs step N as with the synchronous loop. So is
 speculative decoding (host proposals and a draft model's, accepted and rejected) on top of
-the async loop: greedy and seeded sampled outputs equal the synchronous unspeculated ones."""
+the async loop, and multi-step scheduling (several decode passes per device call, in either
+loop): greedy and seeded sampled outputs equal the synchronous single-step ones."""
 import subprocess
 import sys
 
@@ -34,6 +35,10 @@ def engines(peaked_model):
             out[mode, overlap] = LLMEngine(EngineConfig(
                 model=str(model), async_scheduling=overlap, preemption_mode=mode,
                 swap_space=0.01, **ENGINE))
+            # multi-step scheduling: 4 decode passes per call while every request decodes
+            out[mode, overlap, "multi"] = LLMEngine(EngineConfig(
+                model=str(model), async_scheduling=overlap, preemption_mode=mode,
+                swap_space=0.01, num_scheduler_steps=4, **ENGINE))
     return out
 
 
@@ -109,6 +114,68 @@ def assert_same_outputs(a, b, rid):
             assert abs(ex[t].logprob - ey[t].logprob) < 1e-3 and abs(ex[t].rank - ey[t].rank) <= 2, rid
             np.testing.assert_allclose(sorted(lp.logprob for lp in ex.values()),
                                        sorted(lp.logprob for lp in ey.values()), atol=1e-3)
+
+
+@pytest.mark.slow
+@settings(max_examples=20, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(workload=st.lists(request_st, min_size=4, max_size=16), mode=st.sampled_from(["recompute", "swap"]),
+       overlap=st.booleans(), seed=st.integers(0, 2**16))
+def test_multi_step_equals_sync(engines, workload, mode, overlap, seed):
+    tokens = np.random.default_rng(seed).integers(10, 40000, size=(len(workload), 80))
+    sync = run(engines[mode, False], workload, tokens)
+    eng = engines[mode, overlap, "multi"]
+    multi = run(eng, workload, tokens)
+    aborted = {f"r{i}" for i, w in enumerate(workload) if w["abort"] is not None}
+    for rid in set(sync) | set(multi):
+        if rid not in aborted:
+            assert_same_outputs(sync[rid], multi[rid], rid)
+    assert eng.runner.num_compiles_after_warmup == 0
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_multi_step_runs_several_passes_per_call(engines, overlap):
+    """Requests that end in the middle of a call (a stop id first sampled at output 13, a
+    max_tokens not a multiple of the passes), sampled, seeded, with penalties, logprobs and
+    n = 2, and a late arrival: the outputs equal the synchronous single-step loop's, and the
+    decode ran as calls of 4 passes."""
+    prompts = np.random.default_rng(11).integers(10, 40000, size=(5, 40)).tolist()
+
+    def params(i, stop=None):
+        return SamplingParams(max_tokens=(37, 30, 60, 23, 18)[i], n=1 + (i == 1), seed=i,
+                              temperature=0.8 * (i % 2), ignore_eos=True, stop_token_ids=stop,
+                              logprobs=2 if i == 3 else None,
+                              presence_penalty=0.5 if i == 4 else 0.0)
+
+    def drive(engine, stop):
+        calls, finals = [], {}
+        dispatch = engine.runner.dispatch
+        engine.runner.dispatch = lambda out, *a: (calls.append(out.num_steps), dispatch(out, *a))[1]
+        try:
+            for i in range(4):
+                engine.add_request(f"m{i}", prompts[i], params(i, stop if i == 2 else None))
+            step = 0
+            while engine.has_unfinished_requests():
+                if step == 9:  # arrives while the others decode
+                    engine.add_request("m4", prompts[4], params(4))
+                for out in engine.step():
+                    if out.finished:
+                        finals[out.request_id] = out.outputs
+                step += 1
+        finally:
+            del engine.runner.dispatch
+        assert engine.kv_manager.num_free_blocks == engine.kv_manager.pool.num_usable_blocks
+        return calls, finals
+
+    _, free = drive(engines["recompute", False], None)
+    out2 = free["m2"][0].token_ids
+    stop = next(t for j, t in enumerate(out2) if j >= 13 and t not in out2[:j])
+    _, sync = drive(engines["recompute", False], [stop])
+    calls, got = drive(engines["recompute", overlap, "multi"], [stop])
+    assert sync["m2"][0].finish_reason == "stop" and sync["m2"][0].token_ids[-1] == stop
+    for rid in sync:
+        assert_same_outputs(sync[rid], got[rid], rid)
+    assert calls.count(4) >= 10 and 1 in calls  # decode in calls of 4 passes; prefills single
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])

@@ -58,16 +58,21 @@ def test_sharegpt_like_lengths():
     assert (n_in + n_out <= 4096).all()
 
 
-def test_latency(tiny_llama, tmp_path):
+@pytest.mark.parametrize("passes", [1, 3])
+def test_latency(tiny_llama, tmp_path, passes):
+    """With multi-step scheduling (3 passes per call) the step is a pass: the replayed call's
+    time is divided by its passes, and the decode phase's steps are counted in passes."""
     run_cli("bench", "latency", "--model", tiny_llama, *ENGINE, "--input-len", "16",
-            "--output-len", "6", "--batch-size", "4", "--num-iters", "2", "--results-dir",
-            str(tmp_path), "--tag", "lat")
+            "--output-len", "10", "--batch-size", "4", "--num-iters", "2", "--results-dir",
+            str(tmp_path), "--tag", "lat", "--num-scheduler-steps", str(passes))
     r = read_json(tmp_path / "lat.json")
+    assert r["num_scheduler_steps"] == passes
     for key in ("batch_1", "batch_4"):
         assert r[key]["decode_step_s"]["n"] == 2 and r[key]["ttft_s"]["mean"] > 0
         assert r[key]["e2e_s"]["n"] == 2
         # the replayed step is a decode step of that batch
         assert r[key]["step_shape"][1] >= int(key.split("_")[1])
+        assert r[key]["replayed_passes"] == passes
         assert 0 < r[key]["device_step_s"] < 10 * r[key]["decode_step_s"]["median"]
         # the engine thread's CPU time in a step: some, and never more than the step's time
         assert 0 < r[key]["host_cpu_s"] <= 1.05 * r[key]["decode_step_s"]["median"]

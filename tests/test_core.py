@@ -21,7 +21,9 @@ def make(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, max_model_len=1
 
 def run_step(s, token=7):
     out = s.schedule()
-    sampled = {rid: [token] for rid in out.sampling_req_ids}
+    # a multi-step call emits a token per pass
+    sampled = {rid: [token] * (out.num_scheduled_tokens[rid] if out.num_steps > 1 else 1)
+               for rid in out.sampling_req_ids}
     return out, s.update_from_output(out, sampled)
 
 
@@ -226,3 +228,62 @@ def test_max_loras_per_step_base_requests_go_on_no_adapter_starves():
     assert seen_c and not s.has_unfinished_requests()
     with pytest.raises(ValueError, match="max_loras"):
         make()[0].add_request(lreq("x", 5))
+
+
+def test_multi_step_only_while_every_request_decodes():
+    """num_scheduler_steps = 4: a call of several passes only when every running request has
+    one token to compute and no waiting request could join; each request gets as many passes
+    as its length limits allow, its placeholders cover them, and the tokens of a pass after a
+    stop are dropped."""
+    s, kv = make(num_scheduler_steps=4)
+    s.add_request(req("a", 5, max_tokens=10))
+    s.add_request(req("b", 3, max_tokens=2))
+    out, _ = run_step(s)  # prompts: one pass
+    assert out.num_steps == 1 and out.num_scheduled_tokens == {"a": 5, "b": 3}
+    out = s.schedule()  # both decode: b may emit 1 more token, a 4
+    assert out.num_steps == 4 and out.num_scheduled_tokens == {"a": 4, "b": 1}
+    a, b = s.requests["a"], s.requests["b"]
+    assert (a.num_computed_tokens, a.num_output_placeholders) == (9, 4)
+    assert (b.num_computed_tokens, b.num_output_placeholders) == (4, 1)
+    assert len(kv.get_blocks("a")) == 3  # 9 computed tokens in blocks of 4
+    s.update_from_output(out, {"a": [7, 8, 2, 9], "b": [5]})  # a's EOS at the third pass
+    assert a.status == RequestStatus.FINISHED_STOPPED and a.output_token_ids == [7, 7, 8, 2]
+    assert b.status == RequestStatus.FINISHED_LENGTH and b.output_token_ids == [7, 5]
+    assert kv.num_free_blocks == 63
+
+    s.add_request(req("c", 3, max_tokens=20))
+    run_step(s)
+    out = s.schedule()  # async: scheduled again before the last call's tokens are known
+    assert out.num_steps == 4 and out.num_scheduled_tokens == {"c": 4}
+    out2 = s.schedule()
+    assert out2.num_steps == 4 and out2.num_scheduled_tokens == {"c": 4}
+    assert s.requests["c"].num_output_placeholders == 8
+    s.add_request(req("d", 3))  # an arrival: the next step is single, and admits it
+    out3 = s.schedule()
+    assert out3.num_steps == 1 and out3.num_scheduled_tokens == {"c": 1, "d": 3}
+    for o in (out, out2, out3):
+        s.update_from_output(o, {rid: [7] * (o.num_scheduled_tokens[rid] if o.num_steps > 1 else 1)
+                                 for rid in o.sampling_req_ids})
+    assert s.requests["c"].num_output_tokens == 1 + 4 + 4 + 1
+    assert s.requests["c"].num_output_placeholders == 0
+    assert s.schedule().num_steps == 4  # both decode now
+
+    s2, _ = make(num_scheduler_steps=4, budget=4)
+    s2.add_request(req("long", 9, max_tokens=5))
+    out = s2.schedule()  # a prompt over two steps: single passes until it decodes
+    assert out.num_steps == 1 and out.num_scheduled_tokens == {"long": 4}
+
+
+def test_multi_step_goes_on_while_the_waiting_head_cannot_fit():
+    """A waiting request whose tokens do not fit in the free blocks does not turn the running
+    requests' calls into single passes; once blocks are free it joins through a single step."""
+    s, kv = make(num_blocks=12, max_model_len=40, num_scheduler_steps=4)  # 11 usable blocks
+    s.add_request(req("a", 14, max_tokens=2))
+    s.add_request(req("b", 14, max_tokens=20))
+    run_step(s)  # two prompts: 8 blocks
+    s.add_request(req("big", 20))  # needs 6 blocks: 3 are free
+    out, _ = run_step(s)
+    assert out.num_steps == 4 and out.num_scheduled_tokens == {"a": 1, "b": 4}
+    assert s.requests.get("a") is None and s.waiting[0].request_id == "big"
+    out, _ = run_step(s)  # a's blocks are back: big fits and joins in a single step
+    assert out.num_steps == 1 and set(out.num_scheduled_tokens) == {"b", "big"}

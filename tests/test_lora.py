@@ -224,6 +224,32 @@ def test_mixed_batches_equal_each_alone_and_hf(lora_llm, adapters):
     assert engine.runner.num_compiles_after_warmup == 0
 
 
+def test_multi_step_calls_apply_each_requests_adapter(lora_llm, adapters, tiny_llama):
+    """Multi-step scheduling with adapters: base and three adapters decoding together in
+    calls of 4 passes give the tokens and logprobs of the single-step engine."""
+    from jaxllm import LLM, SamplingParams
+    multi = LLM(tiny_llama, enable_lora=True, max_loras=3, max_lora_rank=MAX_RANK,
+                max_cpu_loras=4, dtype="float32", num_scheduler_steps=4, **SMALL_ENGINE)
+    rng = np.random.default_rng(4)
+    prompts = [{"prompt_token_ids": rng.integers(3, 49152, size=int(rng.integers(5, 30))).tolist()}
+               for _ in range(4)]
+    loras = [None] + [a[0] for a in adapters[:3]]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=1)
+    calls = []
+    dispatch = multi.llm_engine.runner.dispatch
+    multi.llm_engine.runner.dispatch = lambda out, *a: (calls.append(out.num_steps), dispatch(out, *a))[1]
+    got = multi.generate(prompts, params, use_tqdm=False, lora_request=loras)
+    ref = lora_llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+    assert calls.count(4) >= 2
+    for g, r in zip(got, ref):
+        assert g.outputs[0].token_ids == r.outputs[0].token_ids
+        np.testing.assert_allclose([lp[t].logprob for lp, t in zip(g.outputs[0].logprobs, r.outputs[0].token_ids)],
+                                   [lp[t].logprob for lp, t in zip(r.outputs[0].logprobs, r.outputs[0].token_ids)],
+                                   atol=1e-4)
+    assert len({tuple(r.outputs[0].token_ids) for r in ref}) == 4  # the adapters differ
+    assert multi.llm_engine.runner.num_compiles_after_warmup == 0
+
+
 # strict validation (item 3): the host reader, no engine
 
 

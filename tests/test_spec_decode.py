@@ -51,6 +51,15 @@ def test_speculation_with_lora_is_refused():
                      enable_lora=True)
 
 
+def test_multi_step_with_speculation_is_refused():
+    with pytest.raises(ValueError, match="num_scheduler_steps > 1 does not combine with speculative_config"):
+        EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2},
+                     num_scheduler_steps=4)
+    for bad in (0, -1, 2.5):
+        with pytest.raises(ValueError, match="num_scheduler_steps must be a positive integer"):
+            EngineConfig(num_scheduler_steps=bad)
+
+
 def test_config_defaults_and_json():
     c = SpeculativeConfig.parse('{"model": "[ngram]", "num_speculative_tokens": 4}')
     assert (c.method, c.prompt_lookup_min, c.prompt_lookup_max, c.model) == ("ngram", 5, 5, None)

@@ -13,6 +13,13 @@ Speculative decoding: a running request's proposed tokens (`spec_token_ids`) are
 after its known tokens, from the same budget; the step verifies them and emits the accepted
 ones plus one more. The counts advance over all of them when scheduled, and the rejected ones
 are taken back when the step's output arrives (their KV slots are simply written again).
+
+Multi-step scheduling (`num_scheduler_steps` = k > 1, vLLM V0's): while every running request
+decodes and no waiting request could join, a step runs up to k passes on the device, each
+computing one token per request and sampling the next pass's token there. A request is
+scheduled min(k, what its length limits allow) tokens, of which only the first is known; the
+rest are its own placeholders, and the step emits one token per pass. A stop in the middle
+drops the tokens after it, as for speculative decoding.
 """
 from __future__ import annotations
 
@@ -21,7 +28,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from jaxllm.core.kv_cache_manager import KVCacheManager
+from jaxllm.core.kv_cache_manager import KVCacheManager, cdiv
 from jaxllm.core.request import Request, RequestStatus
 
 if TYPE_CHECKING:
@@ -74,6 +81,9 @@ class SchedulerOutput:
     # the requests scheduled, as objects: an id finished and reused while the step ran must
     # not receive the step's tokens (host side only; the runner never reads it)
     scheduled_reqs: dict[str, Request] = field(default_factory=dict, repr=False)
+    # multi-step scheduling: the passes of this step (> 1: every scheduled request decodes,
+    # num_scheduled_tokens[r] passes of them for r, one output token per pass)
+    num_steps: int = 1
 
     @property
     def is_empty(self) -> bool:
@@ -94,7 +104,8 @@ class Scheduler:
     def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, policy: str = "fcfs",
                  preemption_mode: str = "recompute", max_loras: int = 0,
-                 num_lookahead_tokens: int = 0, num_spec_tokens: int = 0):
+                 num_lookahead_tokens: int = 0, num_spec_tokens: int = 0,
+                 num_scheduler_steps: int = 1):
         capacity = kv_cache_manager.pool.num_usable_blocks * kv_cache_manager.block_size
         if capacity < max_model_len:
             # otherwise a lone request could outgrow the pool and wait for blocks forever
@@ -131,6 +142,7 @@ class Scheduler:
         self.spec_num_draft_tokens = 0
         self.spec_num_accepted_tokens = 0
         self.spec_accepted_per_pos = [0] * num_spec_tokens
+        self.num_scheduler_steps = num_scheduler_steps
 
     def _order(self, req: Request):
         return (req.priority, req.arrival_time) if self.policy == "priority" else (req.arrival_time,)
@@ -228,8 +240,33 @@ class Scheduler:
             left = min(left, limit - (n - req.num_prompt_tokens))
         return left
 
+    def _passes(self) -> int:
+        """Passes of the next step: num_scheduler_steps while every running request decodes
+        one known token and samples on the device alone, and no waiting request could join
+        (arrivals and prefills take single steps); otherwise 1."""
+        k = self.num_scheduler_steps
+        if k <= 1 or not self.running or self._could_admit():
+            return 1
+        for req in self.running:
+            if (req.num_tokens_with_placeholders - req.num_computed_tokens != 1
+                    or req.grammar is not None or req.spec_token_ids
+                    # multi-token bad words ban by the tokens before: the host must know them
+                    or any(len(w) > 1 for w in req.bad_word_ids or ())):
+                return 1
+        return k
+
+    def _could_admit(self) -> bool:
+        """The waiting queue's head may join now: a seat is free and its tokens would fit in
+        the free blocks (without counting prefix hits: under memory pressure running requests
+        keep their multi-step calls until blocks are freed)."""
+        if not self.waiting or len(self.running) >= self.max_num_seqs:
+            return False
+        head = self.waiting[0]
+        return cdiv(head.num_tokens + 1, self.kv.block_size) <= self.kv.num_free_blocks
+
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
+        passes = self._passes()
         num_scheduled: dict[str, int] = {}
         new_blocks: dict[str, list[int]] = {}
         preempted: list[Request] = []
@@ -247,7 +284,9 @@ class Scheduler:
                 i += 1  # nothing to compute until its tokens in flight are known
                 continue
             num_new = min(num_known, budget)
-            if req.spec_token_ids and num_new == num_known:
+            if passes > 1:  # one token per pass, all but the first sampled on the device
+                num_new = min(passes, self._tokens_left(req))
+            elif req.spec_token_ids and num_new == num_known:
                 # a step emits at most 1 + k tokens: no more than the length limits allow;
                 # and the requests after this one keep a token of the budget each
                 room = min(self._tokens_left(req) - 1,
@@ -271,7 +310,7 @@ class Scheduler:
                 break
             num_scheduled[req.request_id] = num_new
             new_blocks[req.request_id] = blocks
-            budget -= num_new
+            budget -= 1 if passes > 1 else num_new  # a pass holds one token per request
             i += 1
 
         # then waiting requests, in order, unless this step already had to preempt
@@ -353,7 +392,7 @@ class Scheduler:
             self.num_prompt_tokens += max(0, min(start + n, req.num_prompt_tokens) - start)
             req.num_computed_tokens = start + n
             if req.num_computed_tokens >= req.num_tokens_with_placeholders:
-                req.num_output_placeholders += 1
+                req.num_output_placeholders += n if passes > 1 else 1
                 sampling.add(rid)
         self._finished_ids = set()
         copies = list(self._pending_copies.values())
@@ -361,7 +400,8 @@ class Scheduler:
         return SchedulerOutput(new_reqs, cached_reqs, num_scheduled,
                                sum(num_scheduled.values()), finished, swap_out, swap_in, copies,
                                sampling, spec,
-                               {rid: self.requests[rid] for rid in num_scheduled})
+                               {rid: self.requests[rid] for rid in num_scheduled},
+                               passes if num_scheduled else 1)
 
     def _lookahead(self, end: int) -> int:
         """Slots a draft model's proposal passes write past a request's scheduled tokens."""
@@ -417,7 +457,8 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is None or req is not out.scheduled_reqs[rid] or req.status.finished:
                 continue
-            req.num_output_placeholders -= 1
+            req.num_output_placeholders -= (out.num_scheduled_tokens[rid] if out.num_steps > 1
+                                             else 1)
             drafts = out.scheduled_spec_decode_tokens.get(rid)
             if drafts:
                 self._account_verification(req, len(drafts), len(sampled.get(rid, ())))

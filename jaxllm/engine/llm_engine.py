@@ -166,13 +166,15 @@ class LLMEngine:
                                    config.scheduling_policy, config.preemption_mode,
                                    config.max_loras if config.enable_lora else 0,
                                    num_lookahead_tokens=k if draft is not None else 0,
-                                   num_spec_tokens=k)
+                                   num_spec_tokens=k,
+                                   num_scheduler_steps=config.num_scheduler_steps)
         self.runner = ModelRunner(loaded, self.dtype, num_blocks, bs, config.max_model_len,
                                   config.max_num_seqs, config.max_num_batched_tokens,
                                   num_host_blocks, config.attention_backend, config.kv_cache_dtype,
                                   lora_slots, num_spec_tokens=k,
                                   spec_probabilistic=spec is not None
-                                  and spec.draft_sample_method == "probabilistic")
+                                  and spec.draft_sample_method == "probabilistic",
+                                  num_scheduler_steps=config.num_scheduler_steps)
         self.speculator = None
         if spec is not None:
             from jaxllm.spec_decode.proposer import Speculator
@@ -186,10 +188,12 @@ class LLMEngine:
         if config.warmup:
             self.compile_seconds = self.runner.compile_all(
                 background=config.compile_in_background)
-            total = len(self.runner.shapes.all) + len(self.runner.sample_buckets)
-            logger.info("compiled %d of %d step executables (forward %d, sampling %d) in %.1f s",
-                        min(self.runner.num_compiled, total), total, len(self.runner.shapes.all),
-                        len(self.runner.sample_buckets), self.compile_seconds)
+            r = self.runner
+            total = len(r.shapes.all) + len(r.sample_buckets) + len(r.passes_shapes)
+            logger.info("compiled %d of %d step executables (forward %d, sampling %d, "
+                        "multi-step %d) in %.1f s", min(r.num_compiled, total), total,
+                        len(r.shapes.all), len(r.sample_buckets), len(r.passes_shapes),
+                        self.compile_seconds)
         self._rng = np.random.default_rng(config.seed)
         self.structured = StructuredOutputManager(self.tokenizer, self.arch.vocab_size,
                                                   self.eos_token_id)

@@ -9,6 +9,9 @@ per seqs bucket, not once per pair); a step whose padded shape has no compiled e
 bug, not a reason to compile. With `background=True` only a few shapes that together hold any
 step compile before serving (StepShapes.essential); the rest compile on a thread while steps
 run, each padded to the smallest shape compiled so far.
+
+With multi-step scheduling a decode step is one call of several passes instead
+(build_decode_passes), compiled before serving for every decode shape.
 """
 from __future__ import annotations
 
@@ -226,6 +229,71 @@ def build_sample(replicated, num_spec: int = 0, spec_probabilistic: bool = False
     return jax.jit(sample_step, donate_argnums=(1,), in_shardings=rep, out_shardings=(rep, rep))
 
 
+@jax.tree_util.register_dataclass
+@dataclass
+class PassesOutput:
+    """A multi-step dispatch's results: `num_tokens[i]` tokens of row i, one per pass."""
+    tokens: jax.Array        # [S, k] i32
+    num_tokens: jax.Array    # [S] i32
+    logprobs: jax.Array      # [S, k] f32
+    ranks: jax.Array         # [S, k] i32
+    top_ids: jax.Array       # [S, k, MAX_LOGPROBS] i32
+    top_logprobs: jax.Array  # [S, k, MAX_LOGPROBS] f32
+
+
+def build_decode_passes(graphdef, state_sharding, kv_sharding, replicated, num_passes: int,
+                        lora=None):
+    """Multi-step scheduling's device call: `num_passes` decode passes in one scan, each the
+    forward pass over one token per sequence and sampling, whose tokens are the next pass's
+    inputs. The inputs are a one-token-per-sequence step's (md as its first pass) and
+    `num` [S], the passes each sequence takes: after its last one a sequence's pass computes
+    its last position again, writing nothing (slot: the null block) and sampling nothing
+    (is_final off), so the sampler state and the cache end as after num[i] single steps. The
+    cache and the sampler state are donated. With LoRA, each token's slot stays the same."""
+
+    def passes(state, kv_cache, sampler_state, input_ids, md, logits_indices, smd, num, *adapters):
+        model = nnx.merge(graphdef, state)
+        T = input_ids.shape[0]
+        bs = md.block_size
+        seq = md.token_seq_ids
+        real = jnp.arange(T) < md.query_start_loc[-1]
+        rows = smd.rows[seq]
+        tok0 = jnp.where(input_ids < 0, sampler_state.last_token[rows], input_ids)
+        num_tok = jnp.where(real, num[seq], 0)
+        lora_in = None
+        if adapters:
+            (weights, token_slots), = adapters
+            lora_in = LoRAInputs.of(weights, token_slots, lora[1], lora[2])
+        n_real = jnp.sum(md.seq_lens > 0)
+
+        def body(carry, j):
+            kv, sampler_state, tok = carry
+            ahead = jnp.minimum(j, jnp.maximum(num_tok - 1, 0))  # the last pass, again
+            pos = md.positions + ahead
+            block = md.block_tables[seq, jnp.minimum(pos // bs, md.block_tables.shape[1] - 1)]
+            slots = jnp.where(j < num_tok, block * bs + pos % bs, NULL_BLOCK * bs)
+            seq_ahead = jnp.minimum(j, jnp.maximum(num - 1, 0))
+            md_j = dataclasses.replace(md, positions=pos, slot_mapping=slots,
+                                       seq_lens=jnp.where(md.seq_lens > 0, md.seq_lens + seq_ahead, 0))
+            hidden, kv = model(kv, tok, md_j, lora=lora_in)
+            logits = model.compute_logits(hidden[logits_indices], n_real).astype(jnp.float32)
+            smd_j = dataclasses.replace(smd, gen_index=smd.gen_index + j,
+                                        is_final=smd.is_final & (j < num))
+            out, sampler_state = sample(logits, smd_j, sampler_state)
+            return (kv, sampler_state, jnp.where(real, out[0][seq], 0)), out
+
+        (kv_cache, sampler_state, _), outs = jax.lax.scan(
+            body, (kv_cache, sampler_state, tok0), jnp.arange(num_passes))
+        tokens, lp, rank, top_ids, top_lp = (jnp.moveaxis(x, 0, 1) for x in outs)
+        return PassesOutput(tokens, num, lp, rank, top_ids, top_lp), kv_cache, sampler_state
+
+    rep = replicated
+    extra = () if lora is None else ((lora[0], rep),)
+    return jax.jit(passes, donate_argnums=(1, 2),
+                   in_shardings=(state_sharding, kv_sharding) + (rep,) * 6 + extra,
+                   out_shardings=(rep, kv_sharding, rep))
+
+
 def sampling_only(smd):
     """The sampling metadata sampling reads: without the [T] prompt-logprob ids, so that the
     sampler compiles once per seqs bucket."""
@@ -299,7 +367,8 @@ class ModelRunner:
     def __init__(self, loaded, dtype, num_blocks: int, block_size: int, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, num_host_blocks: int = 0,
                  attention_backend: str = "xla", kv_cache_dtype: str = "auto", lora=None,
-                 num_spec_tokens: int = 0, spec_probabilistic: bool = False):
+                 num_spec_tokens: int = 0, spec_probabilistic: bool = False,
+                 num_scheduler_steps: int = 1):
         self.arch = loaded.arch
         self.lora = lora  # jaxllm.lora.slots.LoRASlots, or None
         self.lora_failures: dict[int, str] = {}  # adapters the last dispatch could not bring in
@@ -340,7 +409,8 @@ class ModelRunner:
         self._background: threading.Thread | None = None
         self._stop_background = threading.Event()
         self.background_compile_seconds: float | None = None  # once the thread has finished
-        self.num_steps = 0
+        self.num_steps = 0            # forward passes dispatched (a multi-step call: its passes)
+        self.num_steps_collected = 0  # ... and read back by collect()
         self.device_wait_seconds = 0.0  # host time spent waiting for steps' results
         self.num_compiles_after_warmup = 0
         self.channel = mp.Channel() if jax.process_count() > 1 else None
@@ -360,6 +430,14 @@ class ModelRunner:
                                       lora and (lora.shardings, lora.num_slots, self.arch.tp_size),
                                       num_spec_tokens)
         self._sample = build_sample(self.replicated, num_spec_tokens, spec_probabilistic)
+        # multi-step scheduling: the decode passes' call, per decode shape
+        self.num_passes = num_scheduler_steps
+        self._compiled_passes: dict[tuple[int, int], object] = {}
+        if num_scheduler_steps > 1:
+            self._passes = build_decode_passes(
+                self.graphdef, jax.tree.map(lambda x: x.sharding, self.state), self.kv_sharding,
+                self.replicated, num_scheduler_steps,
+                lora and (lora.shardings, lora.num_slots, self.arch.tp_size))
         self._no_mask = jax.device_put(np.bool_(False), self.replicated)
         rep = self.replicated
         self._set_rows = jax.jit(set_rows, donate_argnums=(0,), in_shardings=rep, out_shardings=rep)
@@ -386,6 +464,23 @@ class ModelRunner:
             self._forward, self._abstract(self.state), self._abstract(self.kv_cache),
             self._abstract(self.sampler_state), *self._abstract_inputs(T, S),
             *self._abstract(self._extra_state()), *adapters,
+            options=step_compiler_options(platform_of(self.mesh)))
+
+    @property
+    def passes_shapes(self) -> list[tuple[int, int]]:
+        """The shapes of multi-step calls: those of a decode step of each batch size."""
+        if self.num_passes <= 1:
+            return []
+        return sorted({self.shapes.pick(s, s) for s in range(1, self.max_num_seqs + 1)})
+
+    def _compile_passes(self, T: int, S: int):
+        ids, md, logits_idx, smd = self._abstract_inputs(T, S)[:4]
+        adapters = () if self.lora is None else (
+            (self._abstract(self.lora.weights), jax.ShapeDtypeStruct((T,), jnp.int32)),)
+        return executable_cache.compile(
+            self._passes, self._abstract(self.state), self._abstract(self.kv_cache),
+            self._abstract(self.sampler_state), ids, md, logits_idx, sampling_only(smd),
+            jax.ShapeDtypeStruct((S,), jnp.int32, sharding=self.replicated), *adapters,
             options=step_compiler_options(platform_of(self.mesh)))
 
     def sample_key(self, T: int, S: int):
@@ -437,6 +532,9 @@ class ModelRunner:
             sds((K, self.vocab), jnp.float32), sds((K, self.vocab), jnp.bool_))
         background = background and self.drafter is None and self.channel is None
         jobs = self._compile_jobs(self.shapes.essential if background else self.shapes.all)
+        # a multi-step call's shape is fixed when the scheduler chooses it: all before serving
+        jobs += [(self._compiled_passes, s, partial(self._compile_passes, *s))
+                 for s in self.passes_shapes if s not in self._compiled_passes]
         # XLA compiles outside the GIL, so threads overlap the per-shape compiles
         with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
             futures = [(table, key, pool.submit(fn)) for table, key, fn in jobs]
@@ -502,7 +600,7 @@ class ModelRunner:
 
     @property
     def num_compiled(self) -> int:
-        return len(self._compiled) + len(self._compiled_sample)
+        return len(self._compiled) + len(self._compiled_sample) + len(self._compiled_passes)
 
     def activation_bytes(self) -> int:
         """Scratch memory of the largest step, measured from its compiled executables."""
@@ -600,6 +698,20 @@ class ModelRunner:
                                                 *args, *self._extra_state(), *adapters)
         return _Forward(shape, args, logits, plp, sampling_only(args[3]), *spec)
 
+    def _run_passes(self, shape, inputs, num: np.ndarray, token_slots=None) -> "PassesOutput":
+        """A multi-step call of shape (T, S): num[i] decode passes of row i."""
+        exe = self._compiled_passes.get(shape)
+        if exe is None:
+            exe = self._compiled_passes[shape] = self._compile_passes(*shape)
+            self.num_compiles_after_warmup += 1
+            logger.warning("compiled multi-step shape %s outside warm-up", shape)
+        input_ids, md, logits_idx, smd = self._args(inputs)
+        adapters = () if token_slots is None else ((self.lora.weights, self._args(token_slots)),)
+        res, self.kv_cache, self.sampler_state = exe(
+            self.state, self.kv_cache, self.sampler_state, input_ids, md, logits_idx,
+            sampling_only(smd), num, *adapters)
+        return res
+
     def _run_sample(self, key, fwd: "_Forward", bitmask: np.ndarray | None,
                     announced: bool = False):
         """Sampling of a step whose sampling key (sample_key) is `key`, under `bitmask`
@@ -674,10 +786,14 @@ class ModelRunner:
     def _prepare(self, out: SchedulerOutput, req_ids: list[str]):
         """Padded numpy inputs of one step, vectorised over persistent-batch rows. Positions
         and which rows sample come from the scheduler; a token the host does not know yet
-        (sampled by the step still in flight) is -1, taken from the device."""
+        (sampled by the step still in flight) is -1, taken from the device. A multi-step
+        call's inputs are those of its first pass: one token per request."""
         batch = self.batch
         rows = np.fromiter((batch.row_of[r] for r in req_ids), np.int32, len(req_ids))
-        n = np.fromiter((out.num_scheduled_tokens[r] for r in req_ids), np.int32, len(req_ids))
+        if out.num_steps > 1:
+            n = np.ones(len(req_ids), np.int32)
+        else:
+            n = np.fromiter((out.num_scheduled_tokens[r] for r in req_ids), np.int32, len(req_ids))
         start_of = {d.req_id: d.num_computed_tokens for d in out.scheduled_new_reqs}
         start_of.update((d.req_id, d.num_computed_tokens) for d in out.scheduled_cached_reqs)
         starts = np.fromiter((start_of[r] for r in req_ids), np.int32, len(req_ids))
@@ -685,7 +801,8 @@ class ModelRunner:
         spec = out.scheduled_spec_decode_tokens
         nd = np.fromiter((len(spec.get(r, ())) for r in req_ids), np.int32, len(req_ids))
         S_real, T_real = len(req_ids), int(n.sum())
-        T, S = self.pick_shape(T_real, S_real)
+        # a multi-step call takes the decode shape, compiled before serving (passes_shapes)
+        T, S = (self.shapes.pick if out.num_steps > 1 else self.pick_shape)(T_real, S_real)
         md = attention_metadata(starts, n, batch.block_table[rows], T, S, self.block_size,
                                 self.q_tile(T))
         tok_rows = rows[md.token_seq_ids[:T_real]]
@@ -814,6 +931,12 @@ class ModelRunner:
         step, shape, inputs = self._prepare(out, list(out.num_scheduled_tokens))
         smd = inputs[3]
         slots = None if self.lora is None else self._token_slots(step.rows, inputs[1], shape[0])
+        if out.num_steps > 1:
+            num = np.zeros(shape[1], np.int32)
+            num[:len(step.req_ids)] = [out.num_scheduled_tokens[r] for r in step.req_ids]
+            res = self._run_passes(shape, inputs, num, slots)
+            self.num_steps += int(num.max())
+            return InFlight(step, res, bool(smd.any_logprobs), False, passes=int(num.max()))
         fwd = self._run_forward(shape, inputs, slots)
         self.num_steps += 1
         flight = InFlight(step, None, bool(smd.any_logprobs), bool(smd.any_prompt_logprobs), fwd)
@@ -846,6 +969,7 @@ class ModelRunner:
         if flight is None:
             return result
         st, res = flight.step, flight.result
+        self.num_steps_collected += flight.passes
         t = time.perf_counter()
         tokens = _host(res.tokens)  # waits for the device
         self.device_wait_seconds += time.perf_counter() - t
@@ -923,6 +1047,7 @@ class InFlight:
     want_logprobs: bool
     want_prompt_logprobs: bool
     pending: "_Forward | None" = None  # the forward pass's outputs, until sampling takes them
+    passes: int = 1  # a multi-step call's passes
 
 
 @dataclass
