@@ -100,11 +100,10 @@ def device_step_seconds(runner, shape, inputs, steps: int, num=None) -> float:
 
 def _run_batch(engine, requests) -> tuple[float, float, int, float]:
     """Runs requests to completion: (seconds to the last first token, seconds of the steady
-    decode phase, its steps (forward passes read back in it), the engine thread's CPU seconds in
-    that phase). That phase runs
-    from the moment every request has its first token to the moment the first one finishes
-    (prompts are prefilled a budget at a time, so the requests finish at different steps):
-    every step in it decodes the whole batch. It is timed whole: with async scheduling one
+    decode phase, its steps (forward passes read back in it), the engine thread's CPU seconds
+    in that phase). That phase runs from the moment every request has its first token to the
+    moment the first one finishes (prompts are prefilled a budget at a time, so the requests
+    finish at different steps): every step in it decodes the whole batch. It is timed whole: with async scheduling one
     step() call launches a step and reads the previous one, so single calls are not steps.
     The CPU seconds are the host's own work (waiting on the device takes none): on a CPU,
     whose cores also run the step, that is what the host takes from the device."""

@@ -55,6 +55,8 @@ def test_multi_step_with_speculation_is_refused():
     with pytest.raises(ValueError, match="num_scheduler_steps > 1 does not combine with speculative_config"):
         EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2},
                      num_scheduler_steps=4)
+    with pytest.raises(ValueError, match="num_scheduler_steps > 1 is not supported across processes"):
+        EngineConfig(num_scheduler_steps=2, num_processes=2, distributed_coordinator="localhost:1")
     for bad in (0, -1, 2.5):
         with pytest.raises(ValueError, match="num_scheduler_steps must be a positive integer"):
             EngineConfig(num_scheduler_steps=bad)
