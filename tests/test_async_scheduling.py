@@ -150,7 +150,9 @@ def test_multi_step_runs_several_passes_per_call(engines, overlap):
     def drive(engine, stop):
         calls, finals = [], {}
         dispatch = engine.runner.dispatch
-        engine.runner.dispatch = lambda out, *a: (calls.append(out.num_steps), dispatch(out, *a))[1]
+        # each call's passes, and whether the step before it was still unread (in flight)
+        engine.runner.dispatch = lambda out, *a: (
+            calls.append((out.num_steps, engine._in_flight is not None)), dispatch(out, *a))[1]
         try:
             for i in range(4):
                 engine.add_request(f"m{i}", prompts[i], params(i, stop if i == 2 else None))
@@ -175,7 +177,11 @@ def test_multi_step_runs_several_passes_per_call(engines, overlap):
     assert sync["m2"][0].finish_reason == "stop" and sync["m2"][0].token_ids[-1] == stop
     for rid in sync:
         assert_same_outputs(sync[rid], got[rid], rid)
-    assert calls.count(4) >= 10 and 1 in calls  # decode in calls of 4 passes; prefills single
+    passes = [n for n, _ in calls]
+    assert passes.count(4) >= 10 and 1 in passes  # decode in calls of 4 passes; prefills single
+    # the async loop launches a call while the one before it runs
+    overlapped = sum(ahead for n, ahead in calls if n == 4)
+    assert overlapped >= (9 if overlap else 0) and (overlap or overlapped == 0)
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])

@@ -242,6 +242,9 @@ def test_multi_step_only_while_every_request_decodes():
     assert out.num_steps == 1 and out.num_scheduled_tokens == {"a": 5, "b": 3}
     out = s.schedule()  # both decode: b may emit 1 more token, a 4
     assert out.num_steps == 4 and out.num_scheduled_tokens == {"a": 4, "b": 1}
+    # its tokens past the first are the requests' own, not proposals to verify (a step with
+    # proposals is read before the next is scheduled: the async loop would stop overlapping)
+    assert not out.scheduled_spec_decode_tokens
     a, b = s.requests["a"], s.requests["b"]
     assert (a.num_computed_tokens, a.num_output_placeholders) == (9, 4)
     assert (b.num_computed_tokens, b.num_output_placeholders) == (4, 1)
@@ -272,6 +275,26 @@ def test_multi_step_only_while_every_request_decodes():
     s2.add_request(req("long", 9, max_tokens=5))
     out = s2.schedule()  # a prompt over two steps: single passes until it decodes
     assert out.num_steps == 1 and out.num_scheduled_tokens == {"long": 4}
+
+
+def test_multi_step_call_admits_no_prompt_through_prefix_hits():
+    """A waiting request that fits only through prefix-cache hits (which the choice of a
+    multi-step call does not count) does not join that call: its passes take one token per
+    request, and a prompt would be computed as one token. It joins through a single step."""
+    s, kv = make(num_blocks=12, max_model_len=40, caching=True, num_scheduler_steps=4)
+    s.add_request(req("a", 16, max_tokens=6))
+    s.add_request(Request("b", list(range(500, 516)), SamplingParams(max_tokens=20),
+                          eos_token_id=2, seed=0))
+    run_step(s)  # two prompts of 4 blocks each: 3 blocks free
+    s.add_request(req("c", 16))  # a's prompt: 3 of its blocks are hits, 1 more would do
+    out, _ = run_step(s)
+    assert out.num_steps == 4 and set(out.num_scheduled_tokens) == {"a", "b"}
+    assert s.waiting[0].request_id == "c" and s.waiting[0].num_computed_tokens == 0
+    out, _ = run_step(s)  # a ends (6 tokens): its blocks come back and c joins, single step
+    assert s.requests.get("a") is None
+    out, _ = run_step(s)
+    assert out.num_steps == 1 and set(out.num_scheduled_tokens) == {"b", "c"}
+    assert out.num_scheduled_tokens["c"] == 4  # past its 12 cached tokens
 
 
 def test_multi_step_goes_on_while_the_waiting_head_cannot_fit():

@@ -313,10 +313,12 @@ class Scheduler:
             budget -= 1 if passes > 1 else num_new  # a pass holds one token per request
             i += 1
 
-        # then waiting requests, in order, unless this step already had to preempt
+        # then waiting requests, in order, unless this step already had to preempt or is a
+        # multi-step call (its passes take one token per request: a prompt cannot join; one
+        # may fit after all, through prefix hits that _could_admit does not count)
         loras = self._running_loras()
         skipped: list[Request] = []  # waiting for an adapter slot: they keep their place
-        while (self.waiting and not preempted and budget > 0
+        while (self.waiting and not preempted and budget > 0 and passes == 1
                and len(self.running) < self.max_num_seqs):
             req = self.waiting[0]
             if req.num_output_placeholders:
@@ -375,7 +377,8 @@ class Scheduler:
                 req.spec_token_ids = []
                 continue
             start = req.num_computed_tokens
-            num_spec = start + n - req.num_tokens_with_placeholders
+            # (a multi-step call's tokens past the first are the request's own placeholders)
+            num_spec = start + n - req.num_tokens_with_placeholders if passes == 1 else 0
             if num_spec > 0:
                 spec[rid] = req.spec_token_ids[:num_spec]
             req.spec_token_ids = []  # proposed again for the next step
