@@ -41,6 +41,9 @@ class Request:
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
+        # the tokens that can end this request once min_tokens are out (one set test per step)
+        self.stop_ids = frozenset(sampling_params.stop_token_ids or ()) | (
+            frozenset() if sampling_params.ignore_eos or eos_token_id is None else {eos_token_id})
         # Every request samples from its own key stream, so a seeded request draws the same
         # tokens whatever shares its batch.
         self.seed = seed
@@ -88,6 +91,10 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def append_output_tokens(self, token_ids: list[int]) -> None:
+        self.output_token_ids += token_ids
+        self.all_token_ids += token_ids
 
     def drop_last_output_tokens(self, n: int) -> None:
         """Take back the last n output tokens (a stop string ended the text before them)."""

@@ -470,8 +470,15 @@ class Scheduler:
                     self._fork(req)
                 else:  # preempted while its prompt step ran: its blocks are gone
                     self._release_forks(req)
+            toks = sampled.get(rid, ())
+            if len(toks) > 1 and self._none_stops(req, toks):
+                # a multi-token step that ends nothing: its tokens go in at once
+                req.append_output_tokens(toks)
+                self.num_generation_tokens += len(toks)
+                updates.append(RequestUpdate(req, list(toks)))
+                continue
             new = []
-            for token in sampled.get(rid, ()):
+            for token in toks:
                 req.append_output_token(token)
                 new.append(token)
                 self.num_generation_tokens += 1
@@ -507,6 +514,16 @@ class Scheduler:
             # with no free block the sibling recomputes its prompt like any new request
             self._enqueue(sib, front=True)
         leader.forks = []
+
+    def _none_stops(self, req: Request, tokens: list[int]) -> bool:
+        """None of these tokens, appended in order, would end the request (_check_stop's
+        conditions, all of them at once)."""
+        n, max_tokens = len(tokens), req.sampling_params.max_tokens
+        if req.num_tokens + n >= self.max_model_len:
+            return False
+        if max_tokens is not None and req.num_output_tokens + n >= max_tokens:
+            return False
+        return req.stop_ids.isdisjoint(tokens)
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         params = req.sampling_params

@@ -8,7 +8,7 @@ here: the scheduler's Request owns them.
 """
 from __future__ import annotations
 
-import dataclasses
+import copy
 import time
 from dataclasses import dataclass
 
@@ -120,10 +120,11 @@ class OutputProcessor:
             request.stop_reason, used = hit
             request.drop_last_output_tokens(len(new_tokens) - used)
             new_tokens = new_tokens[:used]
-        for token, lp in zip(new_tokens, logprobs or ()):
-            seq.cumulative_logprob += lp.logprob
-            if seq.logprobs is not None:
-                seq.logprobs.append(self._position_logprobs(token, lp))
+        if logprobs:
+            for token, lp in zip(new_tokens, logprobs):
+                seq.cumulative_logprob += lp.logprob
+                if seq.logprobs is not None:
+                    seq.logprobs.append(self._position_logprobs(token, lp))
         if hit is not None:
             finish_stopped(request)
         m = self.parents[request.parent_id].metrics
@@ -194,5 +195,5 @@ class OutputProcessor:
         cached = max(parent.seqs[0].request.num_cached_tokens, 0)
         parent.outputs_made += 1
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outputs,
-                             finished, dataclasses.replace(parent.metrics), cached, plp)
+                             finished, copy.copy(parent.metrics), cached, plp)
 

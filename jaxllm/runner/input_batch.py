@@ -102,10 +102,10 @@ class InputBatch:
         self.block_table[row, start:start + len(block_ids)] = block_ids
         self.num_blocks[row] = start + len(block_ids)
 
-    def set_token(self, row: int, pos: int, token: int) -> None:
-        """The token at `pos` is known now (tokens arrive in order)."""
-        self.token_ids[row, pos] = token
-        self.num_tokens[row] = pos + 1
+    def set_tokens(self, row: int, pos: int, tokens: list[int]) -> None:
+        """The tokens from `pos` on are known now (tokens arrive in order)."""
+        self.token_ids[row, pos:pos + len(tokens)] = tokens
+        self.num_tokens[row] = pos + len(tokens)
 
     def banned_tokens(self, row: int) -> list[int]:
         """Last tokens of multi-token bad words whose other tokens end the output so far."""

@@ -983,18 +983,19 @@ class ModelRunner:
                 lp, rank, top_ids, top_lp = lp[:, None], rank[:, None], top_ids[:, None], top_lp[:, None]
         else:
             num = _host(res.num_tokens)
-        held = batch.serial[st.rows] == st.serials
-        for i in np.nonzero(st.final)[0]:
-            rid, m = st.req_ids[i], int(num[i])
-            toks = tokens[i, :m].tolist()
+        final = np.nonzero(st.final)[0]
+        # a row given to another request meanwhile (finished, preempted) keeps its tokens;
+        # the first emitted token follows the row's known tokens (and accepted proposals)
+        held = (batch.serial[st.rows] == st.serials)[final].tolist()
+        firsts = (st.starts + st.n - st.num_draft)[final].tolist()
+        # whole columns to Python at once: the loop below is per request, not per token
+        for i, m, row_tokens, h, first, row, k in zip(
+                final.tolist(), num[final].tolist(), tokens[final].tolist(), held, firsts,
+                st.rows[final].tolist(), st.num_logprobs[final].tolist()):
+            rid, toks = st.req_ids[i], row_tokens[:m]
             result.sampled[rid] = toks
-            # a row given to another request meanwhile (finished, preempted) keeps its tokens;
-            # the first emitted token follows the row's known tokens (and accepted proposals)
-            if held[i]:
-                first = st.starts[i] + st.n[i] - st.num_draft[i]
-                for j, tok in enumerate(toks):
-                    batch.set_token(st.rows[i], first + j, tok)
-            k = int(st.num_logprobs[i])
+            if h and toks:
+                batch.set_tokens(row, first, toks)
             if flight.want_logprobs and k >= 0:
                 result.logprobs[rid] = [Logprobs(float(lp[i, j]), int(rank[i, j]),
                                                  top_ids[i, j, :k].tolist(),
