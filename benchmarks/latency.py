@@ -36,8 +36,25 @@ class _Recorder:
     passes (each sequence num_scheduler_steps of them)."""
 
     def __init__(self, runner):
+        import jax
         self.runner, self.steps, self.batch = runner, [], 0
         self._run, self._run_passes = runner._run_forward, runner._run_passes
+        self._sample = runner._run_sample
+        # device idleness, seen from the host: a step launched while the device still runs
+        # the previous executable (its outputs not ready) found the device busy, so no host
+        # time before it was exposed; one launched after the previous finished found it idle
+        self.launched = self.found_idle = 0
+        self._last = None  # the outputs of the executable launched last
+
+        def launch(fn, *a, **kw):
+            if self._last is not None:
+                # (outputs a later executable took as donated inputs were followed by work)
+                ready = [x.is_ready() for x in self._last if not x.is_deleted()]
+                self.launched += 1
+                self.found_idle += bool(ready) and all(ready)
+            out = fn(*a, **kw)
+            self._last = [x for x in jax.tree.leaves(out) if isinstance(x, jax.Array)]
+            return out
 
         def whole(md) -> bool:
             tokens = int(md.query_start_loc[-1])
@@ -46,13 +63,18 @@ class _Recorder:
         def run(shape, inputs, *a, **kw):
             if whole(inputs[1]):
                 self.steps.append((shape, inputs, None))
-            return self._run(shape, inputs, *a, **kw)
+            return launch(self._run, shape, inputs, *a, **kw)
 
         def run_passes(shape, inputs, num, *a, **kw):
             if whole(inputs[1]) and (num[:self.batch] == runner.num_passes).all():
                 self.steps.append((shape, inputs, num))
-            return self._run_passes(shape, inputs, num, *a, **kw)
-        runner._run_forward, runner._run_passes = run, run_passes
+            return launch(self._run_passes, shape, inputs, num, *a, **kw)
+
+        def sample(*a, **kw):  # sampling follows its forward pass at once: not a new step
+            out = self._sample(*a, **kw)
+            self._last = [x for x in jax.tree.leaves(out) if isinstance(x, jax.Array)]
+            return out
+        runner._run_forward, runner._run_passes, runner._run_sample = run, run_passes, sample
 
     def middle(self):
         calls = [s for s in self.steps if s[2] is not None] or self.steps
@@ -98,7 +120,7 @@ def device_step_seconds(runner, shape, inputs, steps: int, num=None) -> float:
     return float(np.median(blocks))
 
 
-def _run_batch(engine, requests) -> tuple[float, float, int, float]:
+def _run_batch(engine, requests, recorder=None) -> tuple[float, float, int, float, tuple]:
     """Runs requests to completion: (seconds to the last first token, seconds of the steady
     decode phase, its steps (forward passes read back in it), the engine thread's CPU seconds
     in that phase). That phase runs from the moment every request has its first token to the
@@ -106,13 +128,18 @@ def _run_batch(engine, requests) -> tuple[float, float, int, float]:
     finish at different steps): every step in it decodes the whole batch. It is timed whole: with async scheduling one
     step() call launches a step and reads the previous one, so single calls are not steps.
     The CPU seconds are the host's own work (waiting on the device takes none): on a CPU,
-    whose cores also run the step, that is what the host takes from the device."""
+    whose cores also run the step, that is what the host takes from the device. Last: the
+    steps launched in that phase and how many of them found the device idle (`recorder`)."""
     from jaxllm import SamplingParams
 
     for rid, prompt, n_out in requests:
         engine.add_request(rid, {"prompt_token_ids": prompt},
                            SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True))
     waiting = {rid for rid, _, _ in requests}
+
+    def launches():
+        return (0, 0) if recorder is None else (recorder.launched, recorder.found_idle)
+
     start = time.perf_counter()
     first = steps_at_first = last = steps_at_last = cpu_first = cpu_last = None
     while engine.has_unfinished_requests():
@@ -121,13 +148,14 @@ def _run_batch(engine, requests) -> tuple[float, float, int, float]:
                 waiting.discard(out.request_id)
             if out.finished and last is None and first is not None:
                 last, steps_at_last = time.perf_counter(), engine.runner.num_steps_collected
-                cpu_last = time.thread_time()
+                cpu_last, launches_last = time.thread_time(), launches()
         if first is None and not waiting:
             first, steps_at_first = time.perf_counter(), engine.runner.num_steps_collected
-            cpu_first = time.thread_time()
+            cpu_first, launches_first = time.thread_time(), launches()
     if last is None:  # one output token: no decode phase
-        last, steps_at_last, cpu_last = first, steps_at_first, cpu_first
-    return first - start, last - first, steps_at_last - steps_at_first, cpu_last - cpu_first
+        last, steps_at_last, cpu_last, launches_last = first, steps_at_first, cpu_first, launches_first
+    return (first - start, last - first, steps_at_last - steps_at_first, cpu_last - cpu_first,
+            tuple(b - a for a, b in zip(launches_first, launches_last)))
 
 
 def hbm_floor_ms(engine, batch: int, context: int) -> dict | None:
@@ -169,7 +197,7 @@ def run(args) -> int:
     count = 0
     for batch in sizes:
         recorder.batch = batch
-        ttft, steps, e2e, host_cpu = [], [], [], []
+        ttft, steps, e2e, host_cpu, launches = [], [], [], [], [0, 0]
         for it in range(args.num_iters_warmup + args.num_iters):
             reqs = []
             for _ in range(batch):
@@ -180,11 +208,13 @@ def run(args) -> int:
             _run_batch(engine, [(r + "-ttft", p, 1) for r, p, _ in reqs])
             t_first = time.perf_counter() - t0
             recorder.steps = []
-            _, decode, n, cpu = _run_batch(engine, reqs)
+            _, decode, n, cpu, (launched, idle) = _run_batch(engine, reqs, recorder)
             if it >= args.num_iters_warmup and n > 0:
                 ttft.append(t_first)
                 steps.append(decode / n)
                 host_cpu.append(cpu / n)
+                launches[0] += launched
+                launches[1] += idle
                 e2e.append(time.perf_counter() - t0 - t_first)
         # a step that decoded the whole batch, replayed: the device's time alone
         shape, inputs, num = recorder.middle()
@@ -195,7 +225,13 @@ def run(args) -> int:
                  "replayed_passes": 1 if num is None else int(num.max()),
                  # what the host adds to a step that the device does not hide
                  "exposed_host_s": step - device, "host_cpu_s": float(np.median(host_cpu)),
+                 "decode_launches": launches[0], "launches_found_device_idle": launches[1],
                  "e2e_s": percentiles(e2e)}
+        if launches[0] and not launches[1]:
+            # the device always had the next step queued: the host exposed nothing by making
+            # it wait, and can only have slowed it down by taking its cores: at most the host's
+            # own CPU time (a bound free of the replay's noise; on a GPU it would be zero)
+            entry["exposed_host_bound_s"] = entry["host_cpu_s"]
         floor = hbm_floor_ms(engine, batch, args.input_len + args.output_len // 2)
         if floor is not None:
             entry["hbm_floor"] = floor
@@ -203,7 +239,8 @@ def run(args) -> int:
         results[f"batch_{batch}"] = entry
         line = (f"batch {batch:>3}: TTFT {entry['ttft_s']['mean'] * 1e3:8.1f} ms  decode step "
                 f"{step * 1e3:8.2f} ms (device alone {device * 1e3:.2f}, host exposed "
-                f"{entry['exposed_host_s'] * 1e3:.2f}; host CPU {entry['host_cpu_s'] * 1e3:.2f})  "
+                f"{entry['exposed_host_s'] * 1e3:.2f}; host CPU {entry['host_cpu_s'] * 1e3:.2f}; device "
+                f"found idle at {launches[1]} of {launches[0]} launches)  "
                 f"e2e {entry['e2e_s']['mean']:.2f} s")
         if floor is not None:
             line += f"  = {entry['decode_step_over_floor']:.2f}x the HBM floor ({floor['floor_ms']:.2f} ms)"

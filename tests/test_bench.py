@@ -76,6 +76,13 @@ def test_latency(tiny_llama, tmp_path, passes):
         assert 0 < r[key]["device_step_s"] < 10 * r[key]["decode_step_s"]["median"]
         # the engine thread's CPU time in a step: some, and never more than the step's time
         assert 0 < r[key]["host_cpu_s"] <= 1.05 * r[key]["decode_step_s"]["median"]
+        # the decode phase's launches, and how many found the device idle (then no bound)
+        assert 0 <= r[key]["launches_found_device_idle"] <= r[key]["decode_launches"]
+        assert r[key]["decode_launches"] >= 1
+        if r[key]["launches_found_device_idle"] == 0:
+            assert r[key]["exposed_host_bound_s"] == r[key]["host_cpu_s"]
+        else:
+            assert "exposed_host_bound_s" not in r[key]
 
 
 def test_structured(tiny_llama, tmp_path):
