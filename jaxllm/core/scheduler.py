@@ -517,7 +517,7 @@ class Scheduler:
 
     def _none_stops(self, req: Request, tokens: list[int]) -> bool:
         """None of these tokens, appended in order, would end the request (_check_stop's
-        conditions, all of them at once)."""
+        conditions for all of them at once; min_tokens only delays a stop, so it is left out)."""
         n, max_tokens = len(tokens), req.sampling_params.max_tokens
         if req.num_tokens + n >= self.max_model_len:
             return False
@@ -533,9 +533,9 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH
         if req.num_output_tokens < params.min_tokens:
             return None
+        if token not in req.stop_ids:  # EOS (unless ignored) and the stop ids
+            return None
         if not params.ignore_eos and token == req.eos_token_id:
             return RequestStatus.FINISHED_STOPPED
-        if token in params.stop_token_ids:
-            req.stop_reason = token
-            return RequestStatus.FINISHED_STOPPED
-        return None
+        req.stop_reason = token
+        return RequestStatus.FINISHED_STOPPED

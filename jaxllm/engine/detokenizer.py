@@ -60,13 +60,7 @@ class IncrementalDetokenizer:
         tokens it took to complete it (text is then truncated; a step that emitted several
         tokens must drop the ones after)."""
         if not self.stop:  # nothing to find: the step's pieces are joined once
-            if self._stream is not None:  # _next_text's fast path, inlined (per token)
-                step, backend = self._stream.step, self._backend
-                self.num_decode_calls += len(new_token_ids)
-                pieces = [step(backend, tok) or "" for tok in new_token_ids]
-            else:
-                pieces = [self._next_text(tok) for tok in new_token_ids]
-            self.output_text += "".join(pieces)
+            self.output_text += "".join([self._next_text(tok) for tok in new_token_ids])
             return None
         for i, tok in enumerate(new_token_ids):
             text = self._next_text(tok)
