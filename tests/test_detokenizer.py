@@ -1,6 +1,8 @@
 """Incremental detokenization: multi-byte UTF-8 (byte-level BPE and SentencePiece byte
 fallback), stop strings across token boundaries, and the streaming hold-back."""
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from jaxllm.engine.detokenizer import IncrementalDetokenizer
 
@@ -105,15 +107,24 @@ class _CountingTokenizer:
 
 
 def test_long_stream_costs_linear_decoding(bpe_tokenizer):
-    """4,000 tokens: one native decode step per token on the fast path; on the windowed path
-    a bounded number of calls over a bounded window per token (not the whole text)."""
+    """4,000 tokens: at most one native decode per token on the fast path (plain text: one
+    per distinct token, the table's); on the windowed path a bounded number of calls over a
+    bounded window per token (not the whole text)."""
+    plain = bpe_tokenizer.encode("Plain words only, over and over. " * 600,
+                                 add_special_tokens=False)[:4000]
+    assert len(plain) == 4000
+    table = IncrementalDetokenizer(bpe_tokenizer, [1, 2, 3], stop=["NEVER"])
+    for t in plain:
+        table.update([t])
+    assert table.num_decode_calls == len(set(plain)) < 20
     text = ("Streaming text, with some ünïcödé and 漢字 and numbers 12345, repeats. " * 300)
     ids = bpe_tokenizer.encode(text, add_special_tokens=False)[:4000]
     assert len(ids) == 4000
     fast = IncrementalDetokenizer(bpe_tokenizer, [1, 2, 3], stop=["NEVER"])
     for t in ids:
         fast.update([t])
-    assert fast.num_decode_calls == 4000
+    # the characters split over tokens take a stream's steps, the rest the table
+    assert len(set(ids)) < fast.num_decode_calls < 4000
     assert fast.output_text == bpe_tokenizer.decode([1, 2, 3] + ids)[len(bpe_tokenizer.decode([1, 2, 3])):]
     counting = _CountingTokenizer(bpe_tokenizer)
     slow = IncrementalDetokenizer(counting, [1, 2, 3], spaces_between_special_tokens=False)
@@ -198,3 +209,46 @@ def test_stop_string_inside_a_multi_token_step(bpe_tokenizer):
         assert several.text == one.text and several.stop_reason == "STOP"
         assert len(several.logprobs) == cut
         assert several.cumulative_logprob == one.cumulative_logprob
+
+
+def _token_pool(tok):
+    """Tokens that exercise the table and its streams: whole words, the pieces of characters
+    split over several tokens, lone bytes (continuations, lead bytes), special tokens."""
+    from jaxllm.loader.gguf_tokenizer import _byte_alphabet
+    words = tok.encode(" the quick, brown\n fox 12345 jumps!", add_special_tokens=False)
+    split = tok.encode("ünïcödé 漢字 🎉 👩‍👩‍👧 Köln", add_special_tokens=False)
+    lone = tok.convert_tokens_to_ids([_byte_alphabet()[b] for b in (0x80, 0xA9, 0xC3, 0xE4, 0xF0)])
+    special = [tok.eos_token_id] + [t for t in tok.convert_tokens_to_ids(
+        ["<|im_start|>", "<|im_end|>"]) if t is not None and t != tok.unk_token_id]
+    return sorted(set(words + split + lone + special))
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_table_emits_what_a_stream_emits(bpe_tokenizer, data):
+    """Token by token and step by step, the table-and-stream detokenizer shows exactly the
+    text the tokenizers library's own DecodeStream shows (primed the same way), whatever the
+    prompt ends with, for either skip_special_tokens. The table is shared across examples."""
+    from tokenizers.decoders import DecodeStream
+
+    from jaxllm.engine.detokenizer import PRIME_TOKENS, token_pieces_apply
+
+    assert token_pieces_apply(bpe_tokenizer)
+    pool = _token_pool(bpe_tokenizer)
+    tokens = st.sampled_from(pool)
+    prompt = data.draw(st.lists(tokens, max_size=8), "prompt")
+    ids = data.draw(st.lists(tokens, min_size=1, max_size=40), "ids")
+    skip = data.draw(st.booleans(), "skip_special_tokens")
+    ref = DecodeStream(ids=prompt[-PRIME_TOKENS:] or None, skip_special_tokens=skip)
+    expected = [ref.step(bpe_tokenizer.backend_tokenizer, t) or "" for t in ids]
+    detok = IncrementalDetokenizer(bpe_tokenizer, prompt, skip_special_tokens=skip,
+                                   pieces=_SHARED_PIECES.setdefault(skip, {}))
+    pos = 0
+    while pos < len(ids):
+        n = data.draw(st.integers(1, 4), "step")
+        detok.update(ids[pos:pos + n])
+        pos = min(pos + n, len(ids))
+        assert detok.output_text == "".join(expected[:pos])
+
+
+_SHARED_PIECES: dict = {}

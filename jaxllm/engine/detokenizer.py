@@ -3,7 +3,12 @@
 With a fast tokenizer, the `tokenizers` library's DecodeStream turns each new token into the
 text it completes (one native call per token; it holds back incomplete UTF-8 sequences and
 byte-fallback pieces, and is primed with the prompt's last tokens so that spaces and merges
-come out as a full decode would). Other tokenizers decode a short window of recent tokens.
+come out as a full decode would). A byte-level BPE decoder (GPT-2's) decodes each token to its
+own bytes, so once the text so far ends on a whole character, a token that is whole characters
+by itself adds exactly its own text: those come from a table shared by all requests (a dict
+lookup rather than a native call per token), and a stream takes over only from a token that
+ends inside a character until the character is complete. Other tokenizers decode a short
+window of recent tokens.
 Stop strings are searched only in the text near the new tokens. Until a request finishes, the
 last (longest stop string - 1) characters are held back, so a stream never shows the start of a
 stop string that is then withheld.
@@ -11,12 +16,26 @@ stop string that is then withheld.
 from __future__ import annotations
 
 PRIME_TOKENS = 6  # prompt tokens the decoder sees before the first output token
+_UNSEEN = object()
+
+
+def token_pieces_apply(tokenizer) -> bool:
+    """Whether a token's text in context is its text alone (after text that ends on a whole
+    character): true of the byte-level decoder, which maps each token to bytes and decodes
+    their concatenation; not of SentencePiece's, which strips a leading space at the start."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return False
+    from tokenizers import decoders
+    return isinstance(backend.decoder, decoders.ByteLevel)
 
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True,
                  stop: list[str] | None = None, include_stop_str_in_output: bool = False,
-                 spaces_between_special_tokens: bool = True):
+                 spaces_between_special_tokens: bool = True, pieces: dict | None = None):
+        """`pieces`: the table of tokens' texts to share with other requests of the same
+        tokenizer and skip_special_tokens (used where token_pieces_apply)."""
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.spaces_between_special_tokens = spaces_between_special_tokens
@@ -25,14 +44,24 @@ class IncrementalDetokenizer:
         self.include_stop = include_stop_str_in_output
         self._max_stop = max((len(s) for s in self.stop), default=0)
         self.stopped = False
-        self.num_decode_calls = 0  # the cost: one per token on the fast path
+        self.num_decode_calls = 0  # native decodes: at most one per token
         backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._pieces = None
         # spaces_between_special_tokens only changes a slow tokenizer's decode
         if backend is not None and spaces_between_special_tokens:
-            from tokenizers.decoders import DecodeStream
             self._backend = backend
-            self._stream = DecodeStream(ids=list(prompt_token_ids[-PRIME_TOKENS:]) or None,
-                                        skip_special_tokens=skip_special_tokens)
+            prime = list(prompt_token_ids[-PRIME_TOKENS:])
+            self._stream = None
+            if token_pieces_apply(tokenizer):
+                self._pieces = {} if pieces is None else pieces
+                if not self._pieces:  # added tokens' text the decoder may treat apart: streamed
+                    self._pieces.update(dict.fromkeys(backend.get_added_tokens_decoder()))
+                # a prompt that ends inside a character starts with a stream
+                if prime and backend.decode(
+                        prime, skip_special_tokens=skip_special_tokens).endswith("\ufffd"):
+                    self._stream = self._new_stream(prime)
+            else:
+                self._stream = self._new_stream(prime)
         else:
             self._stream = None
             # the window: tokens from prefix_offset on are decoded, those before read_offset
@@ -40,7 +69,43 @@ class IncrementalDetokenizer:
             self._window = list(prompt_token_ids[-PRIME_TOKENS:])
             self._read = len(self._window)
 
+    def _new_stream(self, prime: list[int]):
+        from tokenizers.decoders import DecodeStream
+        return DecodeStream(ids=list(prime) or None, skip_special_tokens=self.skip_special_tokens)
+
+    def _piece(self, token: int) -> str | None:
+        """A token's own text, or None where it ends inside a character."""
+        self.num_decode_calls += 1
+        piece = self._backend.decode([token], skip_special_tokens=self.skip_special_tokens)
+        if piece.endswith("\ufffd"):
+            piece = None
+        self._pieces[token] = piece
+        return piece
+
+    def _texts(self, tokens: list[int]) -> list[str]:
+        """Each token's text: from the table while every piece is known and whole."""
+        if self._pieces is not None and self._stream is None:
+            texts = list(map(self._pieces.get, tokens))
+            if None not in texts:
+                return texts
+        return [self._next_text(tok) for tok in tokens]
+
     def _next_text(self, token: int) -> str:
+        if self._pieces is not None:
+            if self._stream is None:
+                piece = self._pieces.get(token, _UNSEEN)
+                if piece is _UNSEEN:
+                    piece = self._piece(token)
+                if piece is not None:
+                    return piece
+                # the text so far ends on a whole character, so what comes before adds
+                # nothing to this token's bytes: a stream needs no priming
+                self._stream = self._new_stream([])
+            self.num_decode_calls += 1
+            text = self._stream.step(self._backend, token)
+            if text:  # the text ends on a whole character again: back to the table
+                self._stream = None
+            return text or ""
         self.num_decode_calls += 1
         if self._stream is not None:
             return self._stream.step(self._backend, token) or ""
@@ -60,10 +125,9 @@ class IncrementalDetokenizer:
         tokens it took to complete it (text is then truncated; a step that emitted several
         tokens must drop the ones after)."""
         if not self.stop:  # nothing to find: the step's pieces are joined once
-            self.output_text += "".join([self._next_text(tok) for tok in new_token_ids])
+            self.output_text += "".join(self._texts(new_token_ids))
             return None
-        for i, tok in enumerate(new_token_ids):
-            text = self._next_text(tok)
+        for i, text in enumerate(self._texts(new_token_ids)):
             if text:
                 before = len(self.output_text)
                 self.output_text += text

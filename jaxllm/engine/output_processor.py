@@ -53,6 +53,8 @@ class OutputProcessor:
         self.parents: dict[str, _Parent] = {}
         self.seqs: dict[str, _Sequence] = {}     # by the sequence's (child) request id
         self._token_text: dict[int, str] = {}
+        # tokens' own texts, by skip_special_tokens, shared by all sequences' detokenizers
+        self._pieces: dict[bool, dict] = {True: {}, False: {}}
 
     def add(self, request_id: str, prompt: str | None, prompt_ids: list[int],
             params: SamplingParams, requests: list[Request], arrival: float) -> None:
@@ -62,7 +64,8 @@ class OutputProcessor:
             if params.detokenize and self.tokenizer is not None:
                 detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens,
                                                params.stop_strings, params.include_stop_str_in_output,
-                                               params.spaces_between_special_tokens)
+                                               params.spaces_between_special_tokens,
+                                               self._pieces[params.skip_special_tokens])
             seqs.append(_Sequence(req, i, detok, [] if params.logprobs is not None else None))
         plp = [None] if params.prompt_logprobs is not None else None
         parent = _Parent(request_id, prompt, prompt_ids, params, seqs, RequestMetrics(arrival),
