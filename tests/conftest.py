@@ -7,6 +7,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAXLLM_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="jaxllm-xla-"))
 os.environ.setdefault("JAXLLM_TOKENIZER_CACHE_DIR", tempfile.mkdtemp(prefix="jaxllm-tok-"))
 
+import gc  # noqa: E402
 import json  # noqa: E402
 
 import pytest  # noqa: E402
@@ -15,6 +16,16 @@ from jaxllm.loader.loader import default_model_path, get_tokenizer  # noqa: E402
 
 # Small engine limits keep the number of compiled buckets (and CI time) low.
 SMALL_ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _collect_module_engines():
+    """The engines a finished module's fixtures held are collected before the next module
+    builds its own. Each compiled XLA:CPU executable maps ~60 memory regions; past the
+    process's limit (vm.max_map_count, 65,530 by default) XLA cannot map compiled code, and
+    the failed compile crashes the process."""
+    yield
+    gc.collect()
 
 
 @pytest.fixture(scope="session")

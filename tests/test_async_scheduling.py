@@ -1,9 +1,9 @@
 """Async scheduling is exact: the same randomized workload (arrivals, aborts, stops, n > 1,
 preemption by recompute and by swap, logprobs) gives the same outputs with the host
 scheduling step N+1 while the device runs step N as with the synchronous loop. So is
-speculative decoding (host proposals and a draft model's, accepted and rejected) on top of
-the async loop, and multi-step scheduling (several decode passes per device call, in either
-loop): greedy and seeded sampled outputs equal the synchronous single-step ones."""
+multi-step scheduling (several decode passes per device call, in either loop): greedy and
+seeded sampled outputs equal the synchronous single-step ones. (Speculative decoding on the
+async loop: test_async_speculation.)"""
 import subprocess
 import sys
 
@@ -11,14 +11,8 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from async_util import ENGINE, assert_same_outputs, request_st, run
 from jaxllm.sampling_params import SamplingParams
-
-# a small KV pool (39 blocks of 16 tokens) so that the workload preempts. float32: the loops
-# batch requests differently, and the CPU bf16 policy's roundings (activations at the dots,
-# the KV cache) turn that float noise into bf16 steps of ~1e-3 in a logprob; these tests are
-# about the loops, so they compare at float noise
-ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256,
-              num_gpu_blocks_override=40, dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -42,49 +36,6 @@ def engines(peaked_model):
     return out
 
 
-request_st = st.fixed_dictionaries({
-    "prompt_len": st.one_of(st.integers(3, 75), st.integers(50, 75)),
-    "max_tokens": st.one_of(st.integers(1, 60), st.integers(40, 60)),
-    "sampled": st.booleans(),
-    "n": st.sampled_from([1, 1, 2, 3]),
-    "arrive": st.integers(0, 8),
-    "abort": st.one_of(st.none(), st.integers(1, 30)),
-    "stop_ids": st.booleans(),
-    "logprobs": st.sampled_from([None, 0, 2]),
-    "stop_string": st.booleans(),
-})
-
-
-def run(engine, workload, tokens):
-    """Drive the engine step by step: requests arrive and are aborted at given step numbers;
-    returns each request's final outputs (token ids, text, finish reasons, logprobs)."""
-    finals, step = {}, 0
-    pending = sorted(range(len(workload)), key=lambda i: workload[i]["arrive"])
-    while pending or engine.has_unfinished_requests():
-        while pending and workload[pending[0]]["arrive"] <= step:
-            i = pending.pop(0)
-            w = workload[i]
-            params = SamplingParams(
-                max_tokens=w["max_tokens"], n=w["n"], seed=100 + i, logprobs=w["logprobs"],
-                temperature=0.9 if w["sampled"] else 0.0, ignore_eos=not w["stop_ids"],
-                stop_token_ids=[int(tokens[i][0])] if w["stop_ids"] else None,
-                stop=[" the"] if w["stop_string"] else None)
-            engine.add_request(f"r{i}", {"prompt_token_ids": tokens[i][:w["prompt_len"]].tolist()}, params)
-        for i, w in enumerate(workload):
-            if w["abort"] == step and engine.is_unfinished(f"r{i}"):
-                engine.abort_request(f"r{i}")
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out.outputs
-        step += 1
-        assert step < 2000
-    kv = engine.kv_manager
-    assert kv.num_free_blocks == kv.pool.num_usable_blocks  # nothing leaked
-    assert kv.host_pool.num_free_blocks == kv.host_pool.num_blocks
-    assert not engine.scheduler.has_unfinished_requests()
-    return finals
-
-
 @pytest.mark.slow
 @settings(max_examples=12, deadline=None, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
@@ -99,21 +50,6 @@ def test_async_equals_sync(engines, workload, mode, seed):
     for rid in set(sync) | set(overlapped):
         if rid not in aborted:
             assert_same_outputs(sync[rid], overlapped[rid], rid)
-
-
-def assert_same_outputs(a, b, rid):
-    """Tokens, text and finish reasons exactly; logprobs to float noise (the two loops batch
-    differently)."""
-    assert len(a) == len(b), rid
-    for x, y in zip(a, b):
-        assert (x.index, x.token_ids, x.text, x.finish_reason, x.stop_reason) == \
-            (y.index, y.token_ids, y.text, y.finish_reason, y.stop_reason), rid
-        assert (x.logprobs is None) == (y.logprobs is None), rid
-        for t, ex, ey in zip(x.token_ids, x.logprobs or (), y.logprobs or ()):
-            # a sampled token deep in the distribution has neighbours within float noise
-            assert abs(ex[t].logprob - ey[t].logprob) < 1e-3 and abs(ex[t].rank - ey[t].rank) <= 2, rid
-            np.testing.assert_allclose(sorted(lp.logprob for lp in ex.values()),
-                                       sorted(lp.logprob for lp in ey.values()), atol=1e-3)
 
 
 @pytest.mark.slow
@@ -216,100 +152,6 @@ def test_core_imports_no_jax():
             "assert 'jax' not in sys.modules, 'jax was imported'")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-
-
-class OracleSpeculator:
-    """Host proposals from a reference run's outputs, some corrupted: exact control over what
-    is accepted and rejected (the real n-gram proposer rarely matches on a random model)."""
-
-    def __init__(self, speculator, seed: int):
-        self.inner, self.reference = speculator, {}
-        self.rng = np.random.default_rng(seed)
-
-    def enabled_for(self, n):
-        return self.inner.enabled_for(n)
-
-    def propose(self, running):
-        k = self.inner.config.k
-        for r in self.inner.eligible(running):
-            ref = self.reference.get(r.request_id, [])
-            start = r.num_output_tokens + r.num_output_placeholders
-            drafts = list(ref[start:start + k])
-            if drafts and self.rng.random() < 0.4:  # a wrong token somewhere
-                drafts[int(self.rng.integers(len(drafts)))] = int(self.rng.integers(10, 40000))
-            r.spec_token_ids = drafts
-
-
-@pytest.fixture(scope="module")
-def spec_engines(peaked_model, tmp_path_factory):
-    """Async engines that speculate 3 tokens: host proposals (the n-gram method's path, fed by
-    OracleSpeculator) and a draft model (the target with a little noise on its layers: it
-    proposes right about a fifth of the time), each with both kinds of preemption."""
-    from conftest import noisy_copy
-    from jaxllm.engine.llm_engine import LLMEngine
-    from jaxllm.config import EngineConfig
-    draft = noisy_copy(peaked_model, tmp_path_factory.mktemp("noisy_draft"), 0.05)
-    out = {}
-    for method, spec in (("ngram", {"method": "ngram", "num_speculative_tokens": 3}),
-                         ("draft", {"method": "draft_model", "model": draft, "num_speculative_tokens": 3})):
-        for mode in ("recompute", "swap"):
-            eng = LLMEngine(EngineConfig(model=peaked_model, preemption_mode=mode, swap_space=0.01,
-                                         speculative_config=spec, **ENGINE))
-            if method == "ngram":
-                eng.speculator = OracleSpeculator(eng.speculator, 0)
-            out[method, mode] = eng
-    return out
-
-
-@pytest.mark.slow
-@settings(max_examples=8, deadline=None, database=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-@given(workload=st.lists(request_st, min_size=4, max_size=12), mode=st.sampled_from(["recompute", "swap"]),
-       method=st.sampled_from(["ngram", "draft"]), seed=st.integers(0, 2**16))
-def test_speculation_equals_sync(engines, spec_engines, workload, mode, method, seed):
-    tokens = np.random.default_rng(seed).integers(10, 40000, size=(len(workload), 80))
-    sync = run(engines[mode, False], workload, tokens)
-    eng = spec_engines[method, mode]
-    if method == "ngram":
-        eng.speculator.reference = {
-            (rid if len(outs) == 1 else f"{o.index}_{rid}"): o.token_ids
-            for rid, outs in sync.items() for o in outs}
-    before = eng.stats()
-    speculated = run(eng, workload, tokens)
-    after = eng.stats()
-    aborted = {f"r{i}" for i, w in enumerate(workload) if w["abort"] is not None}
-    for rid in set(sync) | set(speculated):
-        if rid not in aborted:
-            assert_same_outputs(sync[rid], speculated[rid], rid)
-    drafted = after["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
-    accepted = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
-    assert 0 <= accepted <= drafted
-    assert eng.runner.num_compiles_after_warmup == 0
-    assert eng.runner.drafter is None or eng.runner.drafter.num_compiles_after_warmup == 0
-
-
-def test_speculation_accepts_and_rejects(engines, spec_engines):
-    """The randomized test above must exercise both outcomes: on a fixed workload with long
-    outputs, each proposer has proposals accepted and rejected."""
-    workload = [dict(prompt_len=p, max_tokens=40, sampled=bool(i % 2), n=1 + (i == 1), arrive=i,
-                     abort=None, stop_ids=False, logprobs=None, stop_string=False)
-                for i, p in enumerate((20, 70, 9, 33))]
-    tokens = np.random.default_rng(5).integers(10, 40000, size=(len(workload), 80))
-    sync = run(engines["recompute", False], workload, tokens)
-    for method in ("ngram", "draft"):
-        eng = spec_engines[method, "recompute"]
-        if method == "ngram":
-            eng.speculator.reference = {
-                (rid if len(outs) == 1 else f"{o.index}_{rid}"): o.token_ids
-                for rid, outs in sync.items() for o in outs}
-        before = eng.stats()
-        got = run(eng, workload, tokens)
-        after = eng.stats()
-        for rid in sync:
-            assert_same_outputs(sync[rid], got[rid], rid)
-        drafted = after["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
-        accepted = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
-        assert 0 < accepted < drafted, (method, accepted, drafted)
 
 
 CONSTRAINTS = [
