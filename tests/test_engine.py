@@ -262,3 +262,16 @@ def test_final_only_requests_get_one_output(tiny_llm):
     assert seen["final"][0].outputs[0].token_ids == seen["every"][-1].outputs[0].token_ids
     with pytest.raises(ValueError, match="output_kind"):
         SamplingParams(output_kind="final")
+
+
+def test_warns_near_the_memory_map_limit(caplog):
+    """A process near the kernel's limit on memory mappings is told so, with the limit's name
+    (past it, a compile cannot map its code and the process crashes)."""
+    import logging
+
+    from jaxllm.engine.llm_engine import near_memory_map_limit
+    with caplog.at_level(logging.WARNING, logger="jaxllm"):
+        assert not near_memory_map_limit(limit=10**9)
+        assert not caplog.records
+        assert near_memory_map_limit(limit=100)  # any process with JAX loaded holds more
+    assert "vm.max_map_count" in caplog.text

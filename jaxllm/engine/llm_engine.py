@@ -81,6 +81,28 @@ def kv_budget_bytes(limit: int, in_use: int, scratch: int, utilization: float,
     return int(usable * (1 - ALLOCATOR_SLACK)) - in_use - scratch
 
 
+def near_memory_map_limit(share: float = 0.75, limit: int | None = None) -> bool:
+    """Warn when this process holds more than `share` of the kernel's limit on memory
+    mappings (Linux's vm.max_map_count, 65,530 by default), and say so. XLA:CPU maps each
+    compiled executable's code into ~60 regions (an engine's few thousand); past the limit a
+    compile cannot map its code and the process crashes. Several engines in one process get
+    there."""
+    try:
+        if limit is None:
+            with open("/proc/sys/vm/max_map_count") as f:
+                limit = int(f.read())
+        with open("/proc/self/maps") as f:
+            used = sum(1 for _ in f)
+    except (OSError, ValueError):  # not Linux
+        return False
+    if used <= share * limit:
+        return False
+    logger.warning("this process holds %d memory mappings of the %d the kernel allows "
+                   "(vm.max_map_count): compiling more executables (another engine) may crash "
+                   "it; free engines no longer used, or raise vm.max_map_count", used, limit)
+    return True
+
+
 def process_seconds() -> float:
     """Seconds since this process started (imports included)."""
     import psutil
@@ -194,6 +216,7 @@ class LLMEngine:
                         "multi-step %d) in %.1f s", min(r.num_compiled, total), total,
                         len(r.shapes.all), len(r.sample_buckets), len(r.passes_shapes),
                         self.compile_seconds)
+            near_memory_map_limit()
         self._rng = np.random.default_rng(config.seed)
         self.structured = StructuredOutputManager(self.tokenizer, self.arch.vocab_size,
                                                   self.eos_token_id)
