@@ -4,6 +4,7 @@ compared with its HBM floor: every step reads all weights and the live KV cache.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import time
 
@@ -45,6 +46,17 @@ class _Recorder:
         # time before it was exposed; one launched after the previous finished found it idle
         self.launched = self.found_idle = 0
         self._last = None  # the outputs of the executable launched last
+        # the garbage collector's pauses on the engine's thread: full collections and the
+        # seconds of all of them (the loop stalls while one runs)
+        self.gc_full, self.gc_seconds, self._gc_start = 0, 0.0, 0.0
+
+        def collected(phase, info):
+            if phase == "start":
+                self._gc_start = time.perf_counter()
+                return
+            self.gc_seconds += time.perf_counter() - self._gc_start
+            self.gc_full += info["generation"] == 2
+        gc.callbacks.append(collected)
 
         def launch(fn, *a, **kw):
             if self._last is not None:
@@ -129,7 +141,8 @@ def _run_batch(engine, requests, recorder=None) -> tuple[float, float, int, floa
     step() call launches a step and reads the previous one, so single calls are not steps.
     The CPU seconds are the host's own work (waiting on the device takes none): on a CPU,
     whose cores also run the step, that is what the host takes from the device. Last: the
-    steps launched in that phase and how many of them found the device idle (`recorder`)."""
+    steps launched in that phase, how many of them found the device idle, and the garbage
+    collector's full collections and seconds in it (`recorder`)."""
     from jaxllm import SamplingParams
 
     for rid, prompt, n_out in requests:
@@ -138,7 +151,9 @@ def _run_batch(engine, requests, recorder=None) -> tuple[float, float, int, floa
     waiting = {rid for rid, _, _ in requests}
 
     def launches():
-        return (0, 0) if recorder is None else (recorder.launched, recorder.found_idle)
+        if recorder is None:
+            return (0, 0, 0, 0.0)
+        return (recorder.launched, recorder.found_idle, recorder.gc_full, recorder.gc_seconds)
 
     start = time.perf_counter()
     first = steps_at_first = last = steps_at_last = cpu_first = cpu_last = None
@@ -197,7 +212,7 @@ def run(args) -> int:
     count = 0
     for batch in sizes:
         recorder.batch = batch
-        ttft, steps, e2e, host_cpu, launches = [], [], [], [], [0, 0]
+        ttft, steps, e2e, host_cpu, launches = [], [], [], [], [0, 0, 0, 0.0]
         for it in range(args.num_iters_warmup + args.num_iters):
             reqs = []
             for _ in range(batch):
@@ -208,13 +223,12 @@ def run(args) -> int:
             _run_batch(engine, [(r + "-ttft", p, 1) for r, p, _ in reqs])
             t_first = time.perf_counter() - t0
             recorder.steps = []
-            _, decode, n, cpu, (launched, idle) = _run_batch(engine, reqs, recorder)
+            _, decode, n, cpu, counts = _run_batch(engine, reqs, recorder)
             if it >= args.num_iters_warmup and n > 0:
                 ttft.append(t_first)
                 steps.append(decode / n)
                 host_cpu.append(cpu / n)
-                launches[0] += launched
-                launches[1] += idle
+                launches = [a + b for a, b in zip(launches, counts)]
                 e2e.append(time.perf_counter() - t0 - t_first)
         # a step that decoded the whole batch, replayed: the device's time alone
         shape, inputs, num = recorder.middle()
@@ -226,6 +240,7 @@ def run(args) -> int:
                  # what the host adds to a step that the device does not hide
                  "exposed_host_s": step - device, "host_cpu_s": float(np.median(host_cpu)),
                  "decode_launches": launches[0], "launches_found_device_idle": launches[1],
+                 "gc_full_collections": launches[2], "gc_seconds": launches[3],
                  "e2e_s": percentiles(e2e)}
         if launches[0] and not launches[1]:
             # the device always had the next step queued: the host exposed nothing by making
@@ -240,7 +255,8 @@ def run(args) -> int:
         line = (f"batch {batch:>3}: TTFT {entry['ttft_s']['mean'] * 1e3:8.1f} ms  decode step "
                 f"{step * 1e3:8.2f} ms (device alone {device * 1e3:.2f}, host exposed "
                 f"{entry['exposed_host_s'] * 1e3:.2f}; host CPU {entry['host_cpu_s'] * 1e3:.2f}; device "
-                f"found idle at {launches[1]} of {launches[0]} launches)  "
+                f"found idle at {launches[1]} of {launches[0]} launches; GC {launches[3] * 1e3:.1f} ms, "
+                f"{launches[2]} full)  "
                 f"e2e {entry['e2e_s']['mean']:.2f} s")
         if floor is not None:
             line += f"  = {entry['decode_step_over_floor']:.2f}x the HBM floor ({floor['floor_ms']:.2f} ms)"

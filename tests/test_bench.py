@@ -79,6 +79,9 @@ def test_latency(tiny_llama, tmp_path, passes):
         # the decode phase's launches, and how many found the device idle (then no bound)
         assert 0 <= r[key]["launches_found_device_idle"] <= r[key]["decode_launches"]
         assert r[key]["decode_launches"] >= 1
+        # the collector's pauses in that phase (full ones counted), timed on the engine thread
+        assert r[key]["gc_full_collections"] >= 0 and r[key]["gc_seconds"] >= 0
+        assert r[key]["gc_full_collections"] == 0 or r[key]["gc_seconds"] > 0
         if r[key]["launches_found_device_idle"] == 0:
             assert r[key]["exposed_host_bound_s"] == r[key]["host_cpu_s"]
         else:
