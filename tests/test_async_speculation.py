@@ -63,6 +63,21 @@ def spec_engines(peaked_model, tmp_path_factory):
     return out
 
 
+def run_speculating(eng, method, sync, workload, tokens):
+    """The workload on a speculating engine (the oracle proposer reads the synchronous run's
+    outputs): its outputs, and the tokens it proposed and had accepted."""
+    if method == "ngram":
+        eng.speculator.reference = {
+            (rid if len(outs) == 1 else f"{o.index}_{rid}"): o.token_ids
+            for rid, outs in sync.items() for o in outs}
+    before = eng.stats()
+    outputs = run(eng, workload, tokens)
+    after = eng.stats()
+    return (outputs,
+            after["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"],
+            after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"])
+
+
 @pytest.mark.slow
 @settings(max_examples=8, deadline=None, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
@@ -72,19 +87,11 @@ def test_speculation_equals_sync(engines, spec_engines, workload, mode, method, 
     tokens = np.random.default_rng(seed).integers(10, 40000, size=(len(workload), 80))
     sync = run(engines[mode, False], workload, tokens)
     eng = spec_engines[method, mode]
-    if method == "ngram":
-        eng.speculator.reference = {
-            (rid if len(outs) == 1 else f"{o.index}_{rid}"): o.token_ids
-            for rid, outs in sync.items() for o in outs}
-    before = eng.stats()
-    speculated = run(eng, workload, tokens)
-    after = eng.stats()
+    speculated, drafted, accepted = run_speculating(eng, method, sync, workload, tokens)
     aborted = {f"r{i}" for i, w in enumerate(workload) if w["abort"] is not None}
     for rid in set(sync) | set(speculated):
         if rid not in aborted:
             assert_same_outputs(sync[rid], speculated[rid], rid)
-    drafted = after["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
-    accepted = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
     assert 0 <= accepted <= drafted
     assert eng.runner.num_compiles_after_warmup == 0
     assert eng.runner.drafter is None or eng.runner.drafter.num_compiles_after_warmup == 0
@@ -99,16 +106,8 @@ def test_speculation_accepts_and_rejects(engines, spec_engines):
     tokens = np.random.default_rng(5).integers(10, 40000, size=(len(workload), 80))
     sync = run(engines["recompute", False], workload, tokens)
     for method in ("ngram", "draft"):
-        eng = spec_engines[method, "recompute"]
-        if method == "ngram":
-            eng.speculator.reference = {
-                (rid if len(outs) == 1 else f"{o.index}_{rid}"): o.token_ids
-                for rid, outs in sync.items() for o in outs}
-        before = eng.stats()
-        got = run(eng, workload, tokens)
-        after = eng.stats()
+        got, drafted, accepted = run_speculating(spec_engines[method, "recompute"], method, sync,
+                                                 workload, tokens)
         for rid in sync:
             assert_same_outputs(sync[rid], got[rid], rid)
-        drafted = after["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
-        accepted = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
         assert 0 < accepted < drafted, (method, accepted, drafted)
