@@ -23,10 +23,8 @@ def _collect_module_engines():
     """The engines a finished module's fixtures held are collected before the next module
     builds its own. Each compiled XLA:CPU executable maps ~60 memory regions; past the
     process's limit (vm.max_map_count, 65,530 by default) XLA cannot map compiled code, and
-    the failed compile crashes the process. Engines freeze the collector's heap when they
-    start; the module's are unfrozen here, as shutdown() would."""
+    the failed compile crashes the process."""
     yield
-    gc.unfreeze()  # what engines froze at their start (LLMEngine.__init__)
     gc.collect()
 
 

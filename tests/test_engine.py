@@ -276,23 +276,3 @@ def test_warns_near_the_memory_map_limit(caplog):
         assert near_memory_map_limit(limit=100)  # any process with JAX loaded holds more
     assert "vm.max_map_count" in caplog.text
 
-
-def test_engine_freezes_its_start_up_heap(tiny_llama):
-    """What start-up built is out of the collector's sight while the engine serves (a full
-    collection would walk it all, stalling the loop); shutdown gives it back, and an engine
-    dropped without one is still freed (by reference counts)."""
-    import gc
-    import weakref
-
-    gc.unfreeze()
-    llm = LLM(tiny_llama, dtype="float32", **SMALL_ENGINE)
-    assert gc.get_freeze_count() > 0
-    (out,) = llm.generate(["Hello"], SamplingParams(max_tokens=3, ignore_eos=True))
-    assert len(out.outputs[0].token_ids) == 3
-    llm.llm_engine.shutdown()
-    assert gc.get_freeze_count() == 0
-    again = LLM(tiny_llama, dtype="float32", **SMALL_ENGINE)
-    assert gc.get_freeze_count() > 0
-    cache = weakref.ref(again.llm_engine.runner.kv_cache)
-    del again
-    assert cache() is None

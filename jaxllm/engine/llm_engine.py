@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import concurrent.futures
-import gc
 import logging
 import os
 import time
@@ -235,12 +234,6 @@ class LLMEngine:
         self.kv_slot_steps = 0            # memory accounting, summed over steps
         self.kv_waste_slot_steps = 0
         self.peak_running = 0
-        # What start-up built lives as long as the engine: out of the collector's sight, a full
-        # collection no longer walks it (measured with the default model: 450,000 objects,
-        # ~175 ms a full collection, longer than a 64-sequence decode pass, during which the
-        # loop stalls). shutdown() gives them back.
-        gc.collect()
-        gc.freeze()
         self.startup_seconds = time.perf_counter() - start
         logger.info("engine ready in %.1f s (load %.1f s, compile %.1f s; %.1f s since the "
                     "process started; model %s, dtype %s, %s, %s scheduling)",
@@ -331,12 +324,9 @@ class LLMEngine:
         self.runner.follow()
 
     def shutdown(self) -> None:
-        """Process 0: release the followers (they return from follow()); stop compiling.
-        The objects frozen at start-up are the collector's again (so that the engine, once
-        dropped, is collected)."""
+        """Process 0: release the followers (they return from follow()); stop compiling."""
         self.runner.stop_followers()
         self.runner.stop_background_compile()
-        gc.unfreeze()
 
     # requests
     def process_inputs(self, prompt, params: SamplingParams | None = None,
