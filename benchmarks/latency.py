@@ -56,6 +56,7 @@ class _Recorder:
                 return
             self.gc_seconds += time.perf_counter() - self._gc_start
             self.gc_full += info["generation"] == 2
+        self._collected = collected
         gc.callbacks.append(collected)
 
         def launch(fn, *a, **kw):
@@ -87,6 +88,10 @@ class _Recorder:
             self._last = [x for x in jax.tree.leaves(out) if isinstance(x, jax.Array)]
             return out
         runner._run_forward, runner._run_passes, runner._run_sample = run, run_passes, sample
+
+    def close(self) -> None:
+        """Stop counting the collector's pauses (the callback holds the engine)."""
+        gc.callbacks.remove(self._collected)
 
     def middle(self):
         calls = [s for s in self.steps if s[2] is not None] or self.steps
@@ -261,6 +266,7 @@ def run(args) -> int:
         if floor is not None:
             line += f"  = {entry['decode_step_over_floor']:.2f}x the HBM floor ({floor['floor_ms']:.2f} ms)"
         print(line, flush=True)
+    recorder.close()
     results["engine"] = {"model": config.model or "SmolLM2-135M-Instruct (default GGUF)",
                          "dtype": engine.policy.describe(), "max_num_seqs": config.max_num_seqs,
                          "startup_seconds": round(engine.startup_seconds, 2)}

@@ -62,9 +62,12 @@ def test_sharegpt_like_lengths():
 def test_latency(tiny_llama, tmp_path, passes):
     """With multi-step scheduling (3 passes per call) the step is a pass: the replayed call's
     time is divided by its passes, and the decode phase's steps are counted in passes."""
+    import gc
+    callbacks = list(gc.callbacks)
     run_cli("bench", "latency", "--model", tiny_llama, *ENGINE, "--input-len", "16",
             "--output-len", "10", "--batch-size", "4", "--num-iters", "2", "--results-dir",
             str(tmp_path), "--tag", "lat", "--num-scheduler-steps", str(passes))
+    assert gc.callbacks == callbacks  # the pause counter is gone with its engine
     r = read_json(tmp_path / "lat.json")
     assert r["num_scheduler_steps"] == passes
     for key in ("batch_1", "batch_4"):
