@@ -4,7 +4,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jaxllm.engine.detokenizer import IncrementalDetokenizer
+from jaxllm.engine.detokenizer import IncrementalDetokenizer, piece_table
 
 
 @pytest.fixture(scope="module")
@@ -239,10 +239,16 @@ def test_table_emits_what_a_stream_emits(bpe_tokenizer, data):
     prompt = data.draw(st.lists(tokens, max_size=8), "prompt")
     ids = data.draw(st.lists(tokens, min_size=1, max_size=40), "ids")
     skip = data.draw(st.booleans(), "skip_special_tokens")
+    # the table filled token by token as they come, or all at once as the engine builds it
+    if data.draw(st.booleans(), "prefilled table"):
+        if skip not in _PREFILLED:
+            _PREFILLED[skip] = piece_table(bpe_tokenizer, skip)
+        pieces = _PREFILLED[skip]
+    else:
+        pieces = _SHARED_PIECES.setdefault(skip, {})
     ref = DecodeStream(ids=prompt[-PRIME_TOKENS:] or None, skip_special_tokens=skip)
     expected = [ref.step(bpe_tokenizer.backend_tokenizer, t) or "" for t in ids]
-    detok = IncrementalDetokenizer(bpe_tokenizer, prompt, skip_special_tokens=skip,
-                                   pieces=_SHARED_PIECES.setdefault(skip, {}))
+    detok = IncrementalDetokenizer(bpe_tokenizer, prompt, skip_special_tokens=skip, pieces=pieces)
     pos = 0
     while pos < len(ids):
         n = data.draw(st.integers(1, 4), "step")
@@ -252,3 +258,28 @@ def test_table_emits_what_a_stream_emits(bpe_tokenizer, data):
 
 
 _SHARED_PIECES: dict = {}
+_PREFILLED: dict = {}
+
+
+def test_piece_table_holds_each_token_decoded_alone(bpe_tokenizer):
+    """The engine's table, built in one batched decode, holds for every token what decoding
+    it alone gives (None where that ends inside a character, and for added tokens); with it,
+    plain text needs no native decode at all."""
+    import random
+
+    backend = bpe_tokenizer.backend_tokenizer
+    added = set(backend.get_added_tokens_decoder())
+    some = _token_pool(bpe_tokenizer) + random.Random(0).sample(range(backend.get_vocab_size()), 2000)
+    for skip in (True, False):
+        table = piece_table(bpe_tokenizer, skip)
+        assert len(table) == backend.get_vocab_size()
+        for t in some:
+            alone = backend.decode([t], skip_special_tokens=skip)
+            assert table[t] == (None if t in added or alone.endswith("\ufffd") else alone), t
+    plain = bpe_tokenizer.encode("Plain words only, over and over. " * 600,
+                                 add_special_tokens=False)[:4000]
+    detok = IncrementalDetokenizer(bpe_tokenizer, [1, 2, 3], pieces=piece_table(bpe_tokenizer, True))
+    for t in plain:
+        detok.update([t])
+    assert detok.num_decode_calls == 0
+    assert detok.output_text == bpe_tokenizer.decode(plain)

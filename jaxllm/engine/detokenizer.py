@@ -30,6 +30,21 @@ def token_pieces_apply(tokenizer) -> bool:
     return isinstance(backend.decoder, decoders.ByteLevel)
 
 
+def piece_table(tokenizer, skip_special_tokens: bool) -> dict | None:
+    """Every token's own text, from one batched native decode (~30 ms for 50k tokens), so
+    that the loop looks tokens up and never decodes one alone: None where a token's text ends
+    inside a character, and for added tokens (the decoder may treat them apart). None where
+    token_pieces_apply does not hold."""
+    if not token_pieces_apply(tokenizer):
+        return None
+    backend = tokenizer.backend_tokenizer
+    texts = backend.decode_batch([[i] for i in range(backend.get_vocab_size())],
+                                 skip_special_tokens=skip_special_tokens)
+    table = {i: None if t.endswith("\ufffd") else t for i, t in enumerate(texts)}
+    table.update(dict.fromkeys(backend.get_added_tokens_decoder()))
+    return table
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True,
                  stop: list[str] | None = None, include_stop_str_in_output: bool = False,

@@ -8,12 +8,11 @@ here: the scheduler's Request owns them.
 """
 from __future__ import annotations
 
-import copy
 import time
 from dataclasses import dataclass
 
 from jaxllm.core.request import Request
-from jaxllm.engine.detokenizer import IncrementalDetokenizer
+from jaxllm.engine.detokenizer import IncrementalDetokenizer, piece_table
 from jaxllm.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -44,7 +43,10 @@ class _Parent:
 
     @property
     def finished(self) -> bool:
-        return all(s.request.status.finished for s in self.seqs)
+        seqs = self.seqs
+        if len(seqs) == 1:  # (most requests: no generator per step)
+            return seqs[0].request.status.finished
+        return all(s.request.status.finished for s in seqs)
 
 
 class OutputProcessor:
@@ -54,7 +56,8 @@ class OutputProcessor:
         self.seqs: dict[str, _Sequence] = {}     # by the sequence's (child) request id
         self._token_text: dict[int, str] = {}
         # tokens' own texts, by skip_special_tokens, shared by all sequences' detokenizers
-        self._pieces: dict[bool, dict] = {True: {}, False: {}}
+        # (built at the first request that needs one)
+        self._pieces: dict[bool, dict | None] = {}
 
     def add(self, request_id: str, prompt: str | None, prompt_ids: list[int],
             params: SamplingParams, requests: list[Request], arrival: float) -> None:
@@ -62,10 +65,13 @@ class OutputProcessor:
         for i, req in enumerate(requests):
             detok = None
             if params.detokenize and self.tokenizer is not None:
-                detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens,
+                skip = params.skip_special_tokens
+                if skip not in self._pieces:
+                    self._pieces[skip] = piece_table(self.tokenizer, skip)
+                detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, skip,
                                                params.stop_strings, params.include_stop_str_in_output,
                                                params.spaces_between_special_tokens,
-                                               self._pieces[params.skip_special_tokens])
+                                               self._pieces[skip])
             seqs.append(_Sequence(req, i, detok, [] if params.logprobs is not None else None))
         plp = [None] if params.prompt_logprobs is not None else None
         parent = _Parent(request_id, prompt, prompt_ids, params, seqs, RequestMetrics(arrival),
@@ -198,5 +204,5 @@ class OutputProcessor:
         cached = max(parent.seqs[0].request.num_cached_tokens, 0)
         parent.outputs_made += 1
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outputs,
-                             finished, copy.copy(parent.metrics), cached, plp)
+                             finished, parent.metrics.snapshot(), cached, plp)
 
