@@ -117,6 +117,9 @@ class KVCacheManager:
                  + num_new_tokens)
         need = (cdiv(total + num_lookahead_tokens, self.block_size) - len(blocks)
                 - len(computed_blocks))
+        if need <= 0 and not computed_blocks:  # most decode steps: the slots are held already
+            self._cache_full_blocks(request, total)
+            return []
         if max(need, 0) > self.pool.num_free_if_touched(computed_blocks):
             if not blocks:
                 del self.req_to_blocks[request.request_id]

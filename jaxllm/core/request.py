@@ -10,17 +10,21 @@ if TYPE_CHECKING:
 
 
 class RequestStatus(enum.IntEnum):
+    # `finished` is a plain attribute of each member: the loop reads it several times per
+    # request per step, and a property on an enum costs several times an attribute
+    def __new__(cls, value: int, finished: bool = False):
+        member = int.__new__(cls, value)
+        member._value_ = value
+        member.finished = finished
+        return member
+
     WAITING = 0
     RUNNING = 1
     PREEMPTED = 2  # recompute: waits with no blocks
     SWAPPED = 3    # swap: waits with its blocks in host memory
-    FINISHED_STOPPED = 4
-    FINISHED_LENGTH = 5
-    FINISHED_ABORTED = 6
-
-    @property
-    def finished(self) -> bool:
-        return self >= RequestStatus.FINISHED_STOPPED
+    FINISHED_STOPPED = 4, True
+    FINISHED_LENGTH = 5, True
+    FINISHED_ABORTED = 6, True
 
 
 FINISH_REASONS = {

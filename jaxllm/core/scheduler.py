@@ -227,17 +227,13 @@ class Scheduler:
         return len(self.running)
 
     # one step
-    def _length_reached(self, req: Request) -> bool:
-        """Its steps in flight already produce every token its length limits allow."""
-        return self._tokens_left(req) <= 0
-
     def _tokens_left(self, req: Request) -> int:
         """Tokens its length limits still allow beyond those known or in flight."""
-        n = req.num_tokens_with_placeholders
+        n = len(req.all_token_ids) + req.num_output_placeholders  # (no properties: hot)
         left = self.max_model_len - n
         limit = req.sampling_params.max_tokens
-        if limit is not None:
-            left = min(left, limit - (n - req.num_prompt_tokens))
+        if limit is not None and limit - n + len(req.prompt_token_ids) < left:
+            left = limit - n + len(req.prompt_token_ids)
         return left
 
     def _passes(self) -> int:
@@ -248,10 +244,10 @@ class Scheduler:
         if k <= 1 or not self.running or self._could_admit():
             return 1
         for req in self.running:
-            if (req.num_tokens_with_placeholders - req.num_computed_tokens != 1
+            if (len(req.all_token_ids) + req.num_output_placeholders - req.num_computed_tokens != 1
                     or req.grammar is not None or req.spec_token_ids
                     # multi-token bad words ban by the tokens before: the host must know them
-                    or any(len(w) > 1 for w in req.bad_word_ids or ())):
+                    or req.bad_word_ids and any(len(w) > 1 for w in req.bad_word_ids)):
                 return 1
         return k
 
@@ -280,12 +276,14 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_known = req.num_tokens_with_placeholders - req.num_computed_tokens
-            if num_known <= 0 or (req.num_output_placeholders and self._length_reached(req)):
+            in_flight = req.num_output_placeholders
+            left = self._tokens_left(req) if in_flight or passes > 1 else 0
+            if num_known <= 0 or (in_flight and left <= 0):  # (its length limits are reached)
                 i += 1  # nothing to compute until its tokens in flight are known
                 continue
             num_new = min(num_known, budget)
             if passes > 1:  # one token per pass, all but the first sampled on the device
-                num_new = min(passes, self._tokens_left(req))
+                num_new = min(passes, left)
             elif req.spec_token_ids and num_new == num_known:
                 # a step emits at most 1 + k tokens: no more than the length limits allow;
                 # and the requests after this one keep a token of the budget each
@@ -381,7 +379,8 @@ class Scheduler:
             num_spec = start + n - req.num_tokens_with_placeholders if passes == 1 else 0
             if num_spec > 0:
                 spec[rid] = req.spec_token_ids[:num_spec]
-            req.spec_token_ids = []  # proposed again for the next step
+            if req.spec_token_ids:
+                req.spec_token_ids = []  # proposed again for the next step
             if rid in self._known_to_runner:
                 cached_reqs.append(CachedRequestData(rid, new_blocks[rid], start))
             else:
@@ -472,10 +471,11 @@ class Scheduler:
                     self._release_forks(req)
             toks = sampled.get(rid, ())
             if len(toks) > 1 and self._none_stops(req, toks):
-                # a multi-token step that ends nothing: its tokens go in at once
+                # a multi-token step that ends nothing: its tokens go in at once (the list is
+                # this step's own)
                 req.append_output_tokens(toks)
                 self.num_generation_tokens += len(toks)
-                updates.append(RequestUpdate(req, list(toks)))
+                updates.append(RequestUpdate(req, toks))
                 continue
             new = []
             for token in toks:
@@ -519,9 +519,9 @@ class Scheduler:
         """None of these tokens, appended in order, would end the request (_check_stop's
         conditions for all of them at once; min_tokens only delays a stop, so it is left out)."""
         n, max_tokens = len(tokens), req.sampling_params.max_tokens
-        if req.num_tokens + n >= self.max_model_len:
+        if len(req.all_token_ids) + n >= self.max_model_len:
             return False
-        if max_tokens is not None and req.num_output_tokens + n >= max_tokens:
+        if max_tokens is not None and len(req.output_token_ids) + n >= max_tokens:
             return False
         return req.stop_ids.isdisjoint(tokens)
 

@@ -524,8 +524,8 @@ class LLMEngine:
         if self.runner.drafter is not None:
             self.runner.drafter.enabled = self.speculator.enabled_for(self.scheduler.num_running)
         scheduled_at = time.time()
-        for rid in out.num_scheduled_tokens:
-            parent = self.outputs.parent_of(rid)
+        for new in out.scheduled_new_reqs:  # (a request's first step sends it in full)
+            parent = self.outputs.parent_of(new.req_id)
             if parent is not None and parent.metrics.first_scheduled_time is None:
                 parent.metrics.first_scheduled_time = scheduled_at
         # a constrained row's mask depends on the token its previous step sampled: sampling
