@@ -39,6 +39,7 @@ class InputBatch:
         self.num_blocks = np.zeros(max_num_seqs, np.int32)
         self.cols = {name: np.full(max_num_seqs, fill, dtype) for name, (dtype, fill) in COLUMNS.items()}
         self.bad_words: list[list[list[int]] | None] = [None] * max_num_seqs  # multi-token only
+        self.rows_with_bad_words: set[int] = set()
         self.lora_id = np.zeros(max_num_seqs, np.int64)  # the row's adapter key; 0: none
         self.row_of: dict[str, int] = {}
         # which request holds a row: a step's results for an earlier holder (finished while the
@@ -77,6 +78,8 @@ class InputBatch:
         c["num_prompt_logprobs"][row] = -1 if params.prompt_logprobs is None else params.prompt_logprobs
         multi = [w for w in (bad_word_ids or []) if len(w) > 1]
         self.bad_words[row] = multi or None
+        if multi:
+            self.rows_with_bad_words.add(row)
         self.lora_id[row] = lora_id or 0
         self.row_of[req_id] = row
         self._next_serial += 1
@@ -88,6 +91,7 @@ class InputBatch:
         if row is None:
             return None
         self.bad_words[row] = None
+        self.rows_with_bad_words.discard(row)
         self.lora_id[row] = 0
         for name, (_, fill) in COLUMNS.items():
             self.cols[name][row] = fill
@@ -101,11 +105,6 @@ class InputBatch:
         start = self.num_blocks[row]
         self.block_table[row, start:start + len(block_ids)] = block_ids
         self.num_blocks[row] = start + len(block_ids)
-
-    def set_tokens(self, row: int, pos: int, tokens: list[int]) -> None:
-        """The tokens from `pos` on are known now (tokens arrive in order)."""
-        self.token_ids[row, pos:pos + len(tokens)] = tokens
-        self.num_tokens[row] = pos + len(tokens)
 
     def banned_tokens(self, row: int) -> list[int]:
         """Last tokens of multi-token bad words whose other tokens end the output so far."""

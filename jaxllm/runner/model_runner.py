@@ -624,7 +624,8 @@ class ModelRunner:
             if p.has_penalties or p.has_bias or p.min_tokens > 0:
                 self._pending_rows.append((row, new))
         for cached in out.scheduled_cached_reqs:
-            batch.append_blocks(batch.row_of[cached.req_id], cached.new_block_ids)
+            if cached.new_block_ids:
+                batch.append_blocks(batch.row_of[cached.req_id], cached.new_block_ids)
         if self._pending_rows:
             self._init_sampler_rows()
 
@@ -797,9 +798,15 @@ class ModelRunner:
         start_of = {d.req_id: d.num_computed_tokens for d in out.scheduled_new_reqs}
         start_of.update((d.req_id, d.num_computed_tokens) for d in out.scheduled_cached_reqs)
         starts = np.fromiter((start_of[r] for r in req_ids), np.int32, len(req_ids))
-        final = np.fromiter((r in out.sampling_req_ids for r in req_ids), np.bool_, len(req_ids))
+        if len(out.sampling_req_ids) == len(req_ids):  # (every decode step)
+            final = np.ones(len(req_ids), np.bool_)
+        else:
+            final = np.fromiter((r in out.sampling_req_ids for r in req_ids), np.bool_, len(req_ids))
         spec = out.scheduled_spec_decode_tokens
-        nd = np.fromiter((len(spec.get(r, ())) for r in req_ids), np.int32, len(req_ids))
+        if spec:
+            nd = np.fromiter((len(spec.get(r, ())) for r in req_ids), np.int32, len(req_ids))
+        else:
+            nd = np.zeros(len(req_ids), np.int32)
         S_real, T_real = len(req_ids), int(n.sum())
         # a multi-step call takes the decode shape, compiled before serving (passes_shapes)
         T, S = (self.shapes.pick if out.num_steps > 1 else self.pick_shape)(T_real, S_real)
@@ -885,9 +892,9 @@ class ModelRunner:
         is_final[:S_real] = final
         banned = np.full((S, MAX_BANNED), -1, np.int32)
         any_banned = False
-        for i, row in enumerate(rows):
-            if batch.bad_words[row] is not None:
-                b = batch.banned_tokens(row)[:MAX_BANNED]
+        if batch.rows_with_bad_words:  # (few requests have them: no loop over all rows)
+            for i in np.nonzero(np.isin(rows, list(batch.rows_with_bad_words)))[0].tolist():
+                b = batch.banned_tokens(int(rows[i]))[:MAX_BANNED]
                 banned[i, :len(b)] = b
                 any_banned |= bool(b)
         next_ids = np.zeros(T, np.int32)
@@ -984,22 +991,29 @@ class ModelRunner:
         else:
             num = _host(res.num_tokens)
         final = np.nonzero(st.final)[0]
+        rows, nums, toks = st.rows[final], num[final], tokens[final]
+        firsts = (st.starts + st.n - st.num_draft)[final]
         # a row given to another request meanwhile (finished, preempted) keeps its tokens;
         # the first emitted token follows the row's known tokens (and accepted proposals)
-        held = (batch.serial[st.rows] == st.serials)[final].tolist()
-        firsts = (st.starts + st.n - st.num_draft)[final].tolist()
-        # whole columns to Python at once: the loop below is per request, not per token
-        for i, m, row_tokens, h, first, row, k in zip(
-                final.tolist(), num[final].tolist(), tokens[final].tolist(), held, firsts,
-                st.rows[final].tolist(), st.num_logprobs[final].tolist()):
-            rid, toks = st.req_ids[i], row_tokens[:m]
-            result.sampled[rid] = toks
-            if h and toks:
-                batch.set_tokens(row, first, toks)
-            if flight.want_logprobs and k >= 0:
-                result.logprobs[rid] = [Logprobs(float(lp[i, j]), int(rank[i, j]),
-                                                 top_ids[i, j, :k].tolist(),
-                                                 top_lp[i, j, :k].tolist()) for j in range(m)]
+        into = (batch.serial[rows] == st.serials[final]) & (nums > 0)
+        if into.any():  # all rows' tokens at once: the loops below are per request, not per token
+            upto = np.arange(toks.shape[1]) < nums[:, None]
+            keep = upto & into[:, None]
+            cols = firsts[:, None] + np.arange(toks.shape[1])
+            batch.token_ids[np.broadcast_to(rows[:, None], keep.shape)[keep], cols[keep]] = toks[keep]
+            batch.num_tokens[rows[into]] = (firsts + nums)[into]
+        req_ids = [st.req_ids[i] for i in final.tolist()]
+        if bool((nums == toks.shape[1]).all()):
+            result.sampled = dict(zip(req_ids, toks.tolist()))
+        else:
+            result.sampled = {rid: t[:m] for rid, t, m in zip(req_ids, toks.tolist(), nums.tolist())}
+        if flight.want_logprobs:
+            for i, rid, m, k in zip(final.tolist(), req_ids, nums.tolist(),
+                                    st.num_logprobs[final].tolist()):
+                if k >= 0:
+                    result.logprobs[rid] = [Logprobs(float(lp[i, j]), int(rank[i, j]),
+                                                     top_ids[i, j, :k].tolist(),
+                                                     top_lp[i, j, :k].tolist()) for j in range(m)]
         if flight.want_prompt_logprobs:
             self._collect_prompt_logprobs(res, st, result)
         return result
