@@ -283,3 +283,45 @@ def test_piece_table_holds_each_token_decoded_alone(bpe_tokenizer):
         detok.update([t])
     assert detok.num_decode_calls == 0
     assert detok.output_text == bpe_tokenizer.decode(plain)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=st.lists(st.one_of(
+    st.tuples(st.just("append"), st.text(max_size=12)),
+    st.tuples(st.just("slice"), st.integers(0, 200), st.integers(0, 200)),
+    st.tuples(st.just("truncate"), st.integers(0, 200)),
+    st.tuples(st.just("whole"))), max_size=80))
+def test_text_runs_hold_what_a_string_holds(ops):
+    """The detokenizer's text (runs merged like a binary counter) reads, slices and truncates
+    as one string would, and holds O(log n) runs, whatever the order of its pieces (up to 12
+    characters each here)."""
+    import math
+
+    from jaxllm.engine.detokenizer import _Text
+    text, ref = _Text(), ""
+    for op, *args in ops:
+        if op == "append":
+            text.append(args[0])
+            ref += args[0]
+        elif op == "slice":
+            start, end = sorted(args)
+            assert text.slice(start, min(end, len(ref))) == ref[start:end]
+        elif op == "truncate":
+            n = min(args[0], len(ref))
+            text.truncate(n)
+            ref = ref[:n]
+        else:
+            assert text.whole() == ref
+        assert text.length == len(ref) == sum(map(len, text.runs))
+        assert len(text.runs) <= 2 * math.log2(len(ref) + 1) + 1
+
+
+def test_long_text_is_kept_in_few_runs():
+    """64,000 single-character appends leave at most log2(64,000) + 1 runs: an append copies
+    what it merges, not the whole text."""
+    from jaxllm.engine.detokenizer import _Text
+    text = _Text()
+    for i in range(64000):
+        text.append("ab"[i % 2])
+    assert len(text.runs) <= 17
+    assert text.slice(63990, 64000) == "ab" * 5 and text.whole() == "ab" * 32000

@@ -45,6 +45,63 @@ def piece_table(tokenizer, skip_special_tokens: bool) -> dict | None:
     return table
 
 
+class _Text:
+    """Text that grows at its end, kept as runs whose lengths fall towards the end: an append
+    merges the last runs while the last is at least as long as the one before (a binary
+    counter). With pieces of bounded length (tokens' texts) there are O(log n) runs and a
+    character is copied O(log n) times over the text's life, where a str += copies the whole
+    text at every append; reading or cutting the end touches only the short runs there."""
+    __slots__ = ("runs", "length")
+
+    def __init__(self):
+        self.runs: list[str] = []
+        self.length = 0
+
+    def append(self, text: str) -> None:
+        runs = self.runs
+        if runs and len(text) < len(runs[-1]):  # (most appends: a token's text after more)
+            runs.append(text)
+        elif text:
+            runs.append(text)
+            while len(runs) > 1 and len(runs[-1]) >= len(runs[-2]):
+                last = runs.pop()
+                runs[-1] += last
+        self.length += len(text)
+
+    def whole(self) -> str:
+        if len(self.runs) > 1:
+            self.runs = ["".join(self.runs)]
+        return self.runs[0] if self.runs else ""
+
+    def slice(self, start: int, end: int) -> str:
+        """The text's [start:end], from the runs it spans, found from the end."""
+        last = self.runs[-1] if self.runs else ""
+        if start >= self.length - len(last):  # (a delta's text: within the last run)
+            return last[start - self.length + len(last):end - self.length + len(last)]
+        if start >= end:
+            return ""
+        parts, pos = [], self.length
+        for run in reversed(self.runs):
+            run_start = pos - len(run)
+            if run_start < end:
+                parts.append(run[max(start - run_start, 0):end - run_start])
+            if run_start <= start:
+                break
+            pos = run_start
+        return "".join(reversed(parts))
+
+    def truncate(self, n: int) -> None:
+        """Keep the first n characters."""
+        while self.length > n:
+            last = self.runs[-1]
+            if self.length - len(last) >= n:
+                self.runs.pop()
+                self.length -= len(last)
+            else:
+                self.runs[-1] = last[:len(last) - (self.length - n)]
+                self.length = n
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True,
                  stop: list[str] | None = None, include_stop_str_in_output: bool = False,
@@ -54,7 +111,7 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.spaces_between_special_tokens = spaces_between_special_tokens
-        self.output_text = ""
+        self._text = _Text()
         self.stop = stop or []
         self.include_stop = include_stop_str_in_output
         self._max_stop = max((len(s) for s in self.stop), default=0)
@@ -140,21 +197,26 @@ class IncrementalDetokenizer:
         tokens it took to complete it (text is then truncated; a step that emitted several
         tokens must drop the ones after)."""
         if not self.stop:  # nothing to find: the step's pieces are joined once
-            self.output_text += "".join(self._texts(new_token_ids))
+            self._text.append("".join(self._texts(new_token_ids)))
             return None
         for i, text in enumerate(self._texts(new_token_ids)):
             if text:
-                before = len(self.output_text)
-                self.output_text += text
+                before = self._text.length
+                self._text.append(text)
                 hit = self._check_stop(before)
                 if hit is not None:
                     self.stopped = True
                     return hit, i + 1
         return None
 
+    @property
+    def output_text(self) -> str:
+        """The whole text so far (O(its length): outputs that carry all of it)."""
+        return self._text.whole()
+
     def visible_length(self, finished: bool) -> int:
         """Characters that may be shown: all but the tail that could still start a stop string."""
-        n = len(self.output_text)
+        n = self._text.length
         if finished or self.stopped or self._max_stop <= 1:
             return n
         return max(0, n - (self._max_stop - 1))
@@ -164,20 +226,24 @@ class IncrementalDetokenizer:
 
     def text_since(self, offset: int, finished: bool) -> str:
         """The visible text from `offset` on (what a delta output adds): O(its length)."""
-        return self.output_text[offset:self.visible_length(finished)]
+        end = self._text.length
+        if not (finished or self.stopped or self._max_stop <= 1):
+            end = max(0, end - (self._max_stop - 1))
+        return self._text.slice(offset, end)
 
     def _check_stop(self, new_from: int) -> str | None:
         if not self.stop:
             return None
         # a stop string may start in text emitted earlier: look back by its length
         start = max(0, new_from - self._max_stop + 1)
+        tail = self._text.slice(start, self._text.length)
         best = None
         for s in self.stop:
-            i = self.output_text.find(s, start)
+            i = tail.find(s)
             if i != -1 and (best is None or i < best[0]):
                 best = (i, s)
         if best is None:
             return None
         i, s = best
-        self.output_text = self.output_text[: i + len(s) if self.include_stop else i]
+        self._text.truncate(start + i + len(s) if self.include_stop else start + i)
         return s
