@@ -262,6 +262,7 @@ def main(argv=None) -> int:
             ("serve", "serve", "online load against an OpenAI-compatible server", False),
             ("kernels", "kernels", "paged-attention kernels against measured peaks", False),
             ("dots", "dots", "the dtype forms of a projection's dot on this machine", False),
+            ("detok", "detok", "the detokenizer's cost per token along a long stream", False),
             ("quality", "quality", "perplexity and greedy agreement per weight format", False),
             ("aot", "gpu_aot", "compile kernels and engine step for a GPU without one", False),
             ("startup", "startup", "start-to-ready and weight loading: source vs Orbax, cold and warm", True)):

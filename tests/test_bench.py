@@ -91,6 +91,21 @@ def test_latency(tiny_llama, tmp_path, passes):
             assert "exposed_host_bound_s" not in r[key]
 
 
+def test_detok(tiny_llama, tmp_path):
+    """The detokenizer's cost per token in three windows of one stream, with a stop string
+    searched at every token; the deltas read out make up the whole decoded text."""
+    run_cli("bench", "detok", "--model", tiny_llama, "--num-tokens", "3000", "--window", "500",
+            "--tokens-per-step", "2", "--stop", "NEVER-IN-THE-TEXT", "--results-dir", str(tmp_path),
+            "--tag", "detok")
+    r = read_json(tmp_path / "detok.json")
+    assert [w["where"] for w in r["windows"]] == ["start", "middle", "end"]
+    assert [w["first_token"] for w in r["windows"]] == [0, 1500, 2500]
+    assert all(w["tokens"] == 500 and w["us_per_token"] > 0 for w in r["windows"])
+    assert r["last_over_first"] == r["windows"][-1]["us_per_token"] / r["windows"][0]["us_per_token"]
+    assert r["deltas_join_to_the_full_decode"] is True and r["text_chars"] > 3000
+    assert r["stop"] == ["NEVER-IN-THE-TEXT"] and r["tokens_per_step"] == 2
+
+
 def test_structured(tiny_llama, tmp_path):
     run_cli("bench", "structured", "--model", tiny_llama, *ENGINE, "--num-requests", "4",
             "--output-len", "6", "--rounds", "1", "--num-ttft", "1", "--results-dir",

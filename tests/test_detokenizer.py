@@ -325,3 +325,35 @@ def test_long_text_is_kept_in_few_runs():
         text.append("ab"[i % 2])
     assert len(text.runs) <= 17
     assert text.slice(63990, 64000) == "ab" * 5 and text.whole() == "ab" * 32000
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_stop_strings_end_where_a_search_of_the_whole_text_ends(bpe_tokenizer, data):
+    """Stop strings found from a look-back window end the text exactly where searching the
+    whole text after every token would: at the earliest match (the first listed stop string
+    on a tie), cut before it or after it (include_stop_str_in_output), at the token that
+    completes it, whatever the steps."""
+    pieces = {t: bpe_tokenizer.convert_ids_to_tokens(t) for t in bpe_tokenizer.convert_tokens_to_ids(
+        ["a", "b", "ab", "ba", "aa", "bb", "abc", "c"]) if t != bpe_tokenizer.unk_token_id}
+    ids = data.draw(st.lists(st.sampled_from(sorted(pieces)), min_size=1, max_size=30), "ids")
+    stops = data.draw(st.lists(st.text("abc", min_size=1, max_size=4), min_size=1, max_size=3), "stop")
+    include = data.draw(st.booleans(), "include_stop_str_in_output")
+    text, expected = "", None
+    for n, t in enumerate(ids, start=1):
+        text += pieces[t]
+        found = [(text.find(s), j, s) for j, s in enumerate(stops) if s in text]
+        if found:
+            i, _, s = min(found)
+            expected = (n, s, text[:i + len(s) if include else i])
+            break
+    detok = IncrementalDetokenizer(bpe_tokenizer, [], stop=stops, include_stop_str_in_output=include)
+    pos = 0
+    while pos < len(ids):
+        k = data.draw(st.integers(1, 3), "step")
+        hit = detok.update(ids[pos:pos + k])
+        if hit is not None:
+            assert expected is not None and (pos + hit[1], hit[0], detok.output_text) == expected
+            return
+        pos += k
+    assert expected is None and detok.output_text == text

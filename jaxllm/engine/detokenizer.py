@@ -115,6 +115,7 @@ class IncrementalDetokenizer:
         self.stop = stop or []
         self.include_stop = include_stop_str_in_output
         self._max_stop = max((len(s) for s in self.stop), default=0)
+        self._recent = ""  # the text's last (longest stop string - 1) characters
         self.stopped = False
         self.num_decode_calls = 0  # native decodes: at most one per token
         backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -201,12 +202,15 @@ class IncrementalDetokenizer:
             return None
         for i, text in enumerate(self._texts(new_token_ids)):
             if text:
-                before = self._text.length
+                # a stop string may start in text emitted earlier: look back by its length
+                window = self._recent + text
+                start = self._text.length - len(self._recent)
                 self._text.append(text)
-                hit = self._check_stop(before)
+                hit = self._check_stop(window, start)
                 if hit is not None:
                     self.stopped = True
                     return hit, i + 1
+                self._recent = window[-(self._max_stop - 1):] if self._max_stop > 1 else ""
         return None
 
     @property
@@ -231,15 +235,12 @@ class IncrementalDetokenizer:
             end = max(0, end - (self._max_stop - 1))
         return self._text.slice(offset, end)
 
-    def _check_stop(self, new_from: int) -> str | None:
-        if not self.stop:
-            return None
-        # a stop string may start in text emitted earlier: look back by its length
-        start = max(0, new_from - self._max_stop + 1)
-        tail = self._text.slice(start, self._text.length)
+    def _check_stop(self, window: str, start: int) -> str | None:
+        """The first stop string in `window`, the text's end from `start` on; the text is cut
+        there (after it, with include_stop_str_in_output)."""
         best = None
         for s in self.stop:
-            i = tail.find(s)
+            i = window.find(s)
             if i != -1 and (best is None or i < best[0]):
                 best = (i, s)
         if best is None:
