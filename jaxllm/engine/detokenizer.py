@@ -230,10 +230,7 @@ class IncrementalDetokenizer:
 
     def text_since(self, offset: int, finished: bool) -> str:
         """The visible text from `offset` on (what a delta output adds): O(its length)."""
-        end = self._text.length
-        if not (finished or self.stopped or self._max_stop <= 1):
-            end = max(0, end - (self._max_stop - 1))
-        return self._text.slice(offset, end)
+        return self._text.slice(offset, self.visible_length(finished))
 
     def _check_stop(self, window: str, start: int) -> str | None:
         """The first stop string in `window`, the text's end from `start` on; the text is cut
