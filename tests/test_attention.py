@@ -86,29 +86,27 @@ def test_bf16_bits_cache_and_head_shapes(heads, kv_heads, head_dim):
 
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
-@pytest.mark.parametrize("backend", ["xla", "pallas"])
+@pytest.mark.parametrize("backend", ["xla", "cpu-kernels", "pallas"])
 def test_quantized_kv_cache(kv_dtype, backend):
-    """int8 / fp8 K and V with a scale per token and head, written through write_kv: both
-    attention paths equal the reference on the dequantized cache, and stay within the format's
-    rounding of the reference on the float cache."""
-    from jaxllm.layers.attention import write_kv
+    """int8 / fp8 K and V with a scale per token and head, written through write_kv: each
+    attention path (XLA's, the CPU kernels reading the codes in place, Pallas) equals the
+    reference on the dequantized cache, and stays within the format's rounding of the
+    reference on the float cache."""
     from jaxllm.quantization import kv as kvq
     from pallas_kernels.ragged_paged_attention import q_tile, ragged_paged_attention
     q, cache, layer, md = make_case(CASES["mixed"] + [(130, 40)], kv_heads=2, seed=11,
                                     qt=q_tile(4) if backend == "pallas" else None)
-    L, _, KVH, slots, D = cache.shape
-    qcache = kvq.make_cache(cache.shape, jnp.float32, kv_dtype)
-    everything = jnp.arange(slots)
-    for i in range(L):  # every slot of every layer, as the engine's steps would have
-        qcache = write_kv(qcache, i, cache[i, 0].swapaxes(0, 1), cache[i, 1].swapaxes(0, 1), everything)
+    D = cache.shape[-1]
+    qcache = _write_quantized(cache, kv_dtype)
     deq = kvq.dequantize(qcache)
     step = 1 / 127 if kv_dtype == "int8" else 32 / 448  # int8 step / e4m3 spacing at its top
     amax = np.abs(np.asarray(cache)).max(-1, keepdims=True)
     assert np.all(np.abs(np.asarray(deq) - np.asarray(cache)) <= amax * step * 0.51 + 1e-7)
     md = jax.tree.map(jnp.asarray, md)
     scale = D ** -0.5
-    if backend == "xla":
-        got = jax.jit(paged_attention_xla, static_argnums=(4,))(q, qcache, layer, md, scale)
+    if backend != "pallas":
+        got = jax.jit(paged_attention_xla, static_argnums=(4, 5, 6, 7))(
+            q, qcache, layer, md, scale, None, None, backend == "cpu-kernels")
     else:
         got = ragged_paged_attention(q, qcache, layer, md, scale, interpret=True)
     ref = lambda c: ragged_paged_attention_ref(q, c, layer, md.positions, md.token_seq_ids,
@@ -117,6 +115,37 @@ def test_quantized_kv_cache(kv_dtype, backend):
     np.testing.assert_allclose(np.asarray(got)[:real], np.asarray(ref(deq))[:real], rtol=2e-5, atol=2e-5)
     np.testing.assert_allclose(np.asarray(got)[:real], np.asarray(ref(cache))[:real],
                                atol=0.03 if kv_dtype == "int8" else 0.15)
+
+
+def _write_quantized(cache, kv_dtype):
+    """The float cache written through write_kv into an int8 / fp8 cache, every slot of every
+    layer, as the engine's steps would have."""
+    from jaxllm.layers.attention import write_kv
+    from jaxllm.quantization import kv as kvq
+    L, _, KVH, slots, D = cache.shape
+    qcache = kvq.make_cache(cache.shape, jnp.float32, kv_dtype)
+    everything = jnp.arange(slots)
+    for i in range(L):
+        qcache = write_kv(qcache, i, cache[i, 0].swapaxes(0, 1), cache[i, 1].swapaxes(0, 1), everything)
+    return qcache
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,window,soft_cap",
+                         [(9, 3, 64, None, None), (16, 1, 32, None, None), (4, 2, 96, 50, None),
+                          (6, 3, 80, None, 5.0), (8, 2, 128, 8, None)])
+def test_quantized_cache_head_shapes(kv_dtype, heads, kv_heads, head_dim, window, soft_cap):
+    """The CPU kernels read int8 / fp8 codes and their scales in place, in both passes, at the
+    kernel's head shapes (the vector paths, and the scalar loop for 16 heads a group and head
+    dim 80), with a sliding window and a soft cap: XLA's path and the kernels both equal the
+    reference over the dequantized cache."""
+    from jaxllm.quantization import kv as kvq
+    seqs = CASES["mixed"] + [(130, 40), (17, 1), (64, 1)]
+    q, cache, layer, md = make_case(seqs, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                                    seed=heads + head_dim + len(kv_dtype))
+    qcache = _write_quantized(cache, kv_dtype)
+    _check(q, qcache, layer, md, window=window, soft_cap=soft_cap,
+           reference_cache=kvq.dequantize(qcache))
 
 
 def test_bf16_cache_kept_as_bits():

@@ -584,27 +584,46 @@ def test_tensor_parallel_quantized_weights(tiny_llama, tmp_path, default_gguf):
             assert sfull[2] == 2 and sshard[2] == 1 and sshard[1] == sfull[1]
 
 
-def test_int8_kv_cache_through_the_engine(tiny_llama, caplog):
-    """An int8 KV cache holds 4 / (1 + 4 / head_dim) times the tokens of f32 in the same memory
-    (3.2x at this model's head_dim of 16, 3.8x at 64; the log says so);
-    swapping its blocks out and back and copy-on-write forks move values and scales exactly:
-    greedy tokens equal an unpreempted int8 run's."""
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_quantized_kv_cache_through_the_engine(tiny_llama, caplog, kv_dtype):
+    """An int8 / fp8 KV cache holds 4 / (1 + 4 / head_dim) times the tokens of f32 in the same
+    memory (3.2x at this model's head_dim of 16, 3.8x at 64; the log says so); on this CPU the
+    attention kernels read it in place (fp8 kept as its bytes, which XLA:CPU writes in place);
+    greedy tokens and logprobs stay close to an f32 cache's; swapping its blocks out and back
+    and copy-on-write forks move values and scales exactly: greedy tokens equal an unpreempted
+    run's."""
     import logging
 
     from conftest import SMALL_ENGINE
     from jaxllm import LLM, SamplingParams
+    from jaxllm.layers.attention import cpu_kernels_apply
+    from jaxllm.quantization import kv as kvq
     rng = np.random.default_rng(12)
     prompts = [rng.integers(10, 40000, size=40).tolist() for _ in range(6)]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, n=2, best_of=2)
     with caplog.at_level(logging.INFO, logger="jaxllm"):
-        roomy = LLM(tiny_llama, kv_cache_dtype="int8", kv_cache_memory_bytes=1 << 22, warmup=False,
-                    **SMALL_ENGINE)
-    assert "KV cache dtype int8: 3.20x the tokens of float32" in caplog.text
+        roomy = LLM(tiny_llama, kv_cache_dtype=kv_dtype, kv_cache_memory_bytes=1 << 22,
+                    warmup=False, **SMALL_ENGINE)
+    assert f"KV cache dtype {kv_dtype}: 3.20x the tokens of float32" in caplog.text
     f32_blocks = (1 << 22) // (2 * 2 * 16 * 2 * 16 * 4)  # layers, K/V, block, kv heads, head_dim, f32
     assert roomy.llm_engine.kv_manager.pool.num_blocks >= 3.19 * f32_blocks
+    cache = roomy.llm_engine.runner.kv_cache
+    assert cache.data.dtype == (jnp.int8 if kv_dtype == "int8" else kvq.FP8_BITS)
+    assert cpu_kernels_apply(cache)
+    one = SamplingParams(temperature=0.0, max_tokens=8, logprobs=0, ignore_eos=True)
+    full = LLM(tiny_llama, dtype="float32", kv_cache_memory_bytes=1 << 22, warmup=False,
+               **SMALL_ENGINE)
+    a = roomy.generate(prompts[:2], one, use_tqdm=False)
+    b = full.generate(prompts[:2], one, use_tqdm=False)
+    for x, y in zip(a, b):
+        x, y = x.outputs[0], y.outputs[0]
+        assert x.token_ids[0] == y.token_ids[0]
+        assert abs(x.logprobs[0][x.token_ids[0]].logprob - y.logprobs[0][y.token_ids[0]].logprob) < 0.05
+    del full
     want = [[c.token_ids for c in o.outputs] for o in roomy.generate(prompts, params, use_tqdm=False)]
-    tight = LLM(tiny_llama, kv_cache_dtype="int8", num_gpu_blocks_override=17, preemption_mode="swap",
-                swap_space=0.01, enable_prefix_caching=False, warmup=False, **SMALL_ENGINE)
+    tight = LLM(tiny_llama, kv_cache_dtype=kv_dtype, num_gpu_blocks_override=17,
+                preemption_mode="swap", swap_space=0.01, enable_prefix_caching=False,
+                warmup=False, **SMALL_ENGINE)
     got = [[c.token_ids for c in o.outputs] for o in tight.generate(prompts, params, use_tqdm=False)]
     assert got == want
     sched, kv = tight.llm_engine.scheduler, tight.llm_engine.kv_manager

@@ -104,9 +104,10 @@ def _window_start(md, window) -> jax.Array:
 
 
 def cpu_kernels_apply(kv_cache, platform: str | None = None) -> bool:
-    """Whether both passes run in the CPU kernels (jaxllm.quantization.cpu), which read an f32
-    or bf16-bits cache in place; quantized caches and other platforms take XLA's."""
-    if isinstance(kv_cache, kvq.QuantizedKV) or kv_cache.dtype not in (jnp.float32, kvq.BF16_BITS):
+    """Whether both passes run in the CPU kernels (jaxllm.quantization.cpu), which read an
+    f32, bf16-bits, int8 or fp8 cache in place; other platforms take XLA's."""
+    dtype = (kv_cache.data if isinstance(kv_cache, kvq.QuantizedKV) else kv_cache).dtype
+    if dtype not in (jnp.float32, kvq.BF16_BITS, jnp.int8, jnp.float8_e4m3fn, kvq.FP8_BITS):
         return False
     if (platform or jax.default_backend()) != "cpu":
         return False

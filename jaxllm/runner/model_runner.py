@@ -393,10 +393,12 @@ class ModelRunner:
         self.replicated = sharding(self.mesh)
         kv_shape = kv_cache_shape(self.arch, num_blocks, block_size)
         self.kv_cache_dtype = kv_cache_dtype
-        shapes = jax.eval_shape(lambda: kvq.make_cache(kv_shape, dtype, kv_cache_dtype))
+        # XLA's attention on a CPU keeps an fp8 cache as bytes (kv.FP8_BITS), as a bf16 one
+        self.kv_bits = platform_of(self.mesh) == "cpu" and attention_backend == "xla"
+        make = lambda: kvq.make_cache(kv_shape, dtype, kv_cache_dtype, self.kv_bits)  # noqa: E731
+        shapes = jax.eval_shape(make)
         self.kv_sharding = kv_cache_sharding(self.mesh, self.arch, shapes)
-        self.kv_cache = jax.jit(lambda: kvq.make_cache(kv_shape, dtype, kv_cache_dtype),
-                                out_shardings=self.kv_sharding)()
+        self.kv_cache = jax.jit(make, out_shardings=self.kv_sharding)()
         self.sampler_state = jax.jit(lambda: init_state(max_num_seqs, self.vocab),
                                      out_shardings=self.replicated)()
         self.block_ops = BlockOps(shapes, block_size, num_host_blocks, self.kv_sharding)

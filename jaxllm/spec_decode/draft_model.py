@@ -89,7 +89,8 @@ class DraftModel:
         from jaxllm.runner.model_runner import kv_cache_shape, kv_cache_sharding
         shape = kv_cache_shape(self.arch, runner.num_blocks, runner.block_size)
         # stored as the target's is (kv_cache_dtype)
-        make = lambda: kvq.make_cache(shape, runner.dtype, runner.kv_cache_dtype)  # noqa: E731
+        make = lambda: kvq.make_cache(shape, runner.dtype, runner.kv_cache_dtype,  # noqa: E731
+                                      runner.kv_bits)
         shapes = jax.eval_shape(make)
         self.kv_sharding = kv_cache_sharding(runner.mesh, self.arch, shapes)
         self.kv_cache = jax.jit(make, out_shardings=self.kv_sharding)()

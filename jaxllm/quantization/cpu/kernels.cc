@@ -29,6 +29,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) || defined(__F16C__)
@@ -1467,7 +1468,8 @@ ffi::Error Bf16OutIn(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
 
 // ---- decode attention ----
 // The last token of each sequence against its cached context, read in place from the paged
-// cache [L, 2, KVH, slots, D] (f32, or bf16 kept as uint16 bits): XLA's form gathers every
+// cache [L, 2, KVH, slots, D] (f32, bf16 kept as uint16 bits, or int8 / fp8 with a scale per
+// token and head, as kv.py writes them): XLA's form gathers (and dequantizes) every
 // context row into a new array first, which at many sequences costs more than the arithmetic.
 // One task per (sequence, KV head) runs its G query heads' online softmax over chunks of 16
 // positions. With AVX-512 a chunk's 16 scores are one vector: each position's D products are
@@ -1477,13 +1479,40 @@ namespace {
 
 constexpr int kAttnChunk = 16;
 
+// An fp8 (e4m3fn) value's byte: a type of its own, so that loads pick its widening.
+struct Fp8 {
+  uint8_t bits;
+};
+
+// Whether the cache holds quantized values with a scale per token and head (kv.py): int8 or
+// fp8. Their rows are widened, then multiplied by the scale, as kv.read dequantizes.
+template <typename T>
+constexpr bool kScaled = std::is_same_v<T, int8_t> || std::is_same_v<T, Fp8>;
+
+// e4m3fn -> f16 bits: sign to bit 15, exponent and mantissa under f16's (exponent field e
+// of 0..15, never f16's inf/NaN), so f16's value is 2^(e-15)(1+m/8) and subnormals map to
+// subnormals; times 2^8 it is e4m3's 2^(e-7)(1+m/8), exactly. (e4m3fn's NaN, 0x7f, reads as
+// 480; the writer clips to 448.)
+inline uint16_t fp8_to_half(uint8_t b) { return uint16_t(((b & 0x80) << 8) | ((b & 0x7f) << 7)); }
+
 inline float load_kv(const float* p) { return *p; }
 inline float load_kv(const uint16_t* p) { return bf16_to_float(*p); }
+inline float load_kv(const int8_t* p) { return float(*p); }
+inline float load_kv(const Fp8* p) { return half_to_float(fp8_to_half(p->bits)) * 256.0f; }
 
 #if defined(__AVX512F__)
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const uint16_t* p) { return bf16x16(p); }
+inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m512 load16(const Fp8* p) {
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512i h = _mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 8),
+                                    _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x7f)), 7));
+  return _mm512_mul_ps(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(h)), _mm512_set1_ps(256.0f));
+}
 
 // r[t] = sum of the 16 lanes of d[t], for t < 16
 inline __m512 transpose_sum16(const __m512* d) {
@@ -1538,14 +1567,18 @@ inline __m512 chunk_scores(const __m512* d, float soft_cap, __mmask16 live) {
 }
 
 // D = 16 * NV. Per chunk: the chunk's K rows widened to f32 once (L1), each query head's 16
-// scores as one vector, the online-softmax update, then each V row once for all G heads.
+// scores as one vector, the online-softmax update, then each V row once for all G heads. A
+// quantized cache's K rows are scaled as they are widened; a V row's scale goes into its
+// probabilities (ks, vs: the scale planes, per slot; unused for float caches).
 template <int NV, typename T>
-void attend_vec(const float* q, const T* k_base, const T* v_base, const int32_t* table,
-                int64_t bs, int64_t lo, int64_t n, int64_t G, float soft_cap, float* out) {
+void attend_vec(const float* q, const T* k_base, const T* v_base, const float* ks,
+                const float* vs, const int32_t* table, int64_t bs, int64_t lo, int64_t n,
+                int64_t G, float soft_cap, float* out) {
   constexpr int64_t D = 16 * NV;
   constexpr int kMaxG = 8;
   alignas(64) float kf[kAttnChunk][D];
   alignas(64) float pr[kMaxG][kAttnChunk];
+  float vscale[kAttnChunk];
   __m512 acc[kMaxG][NV];
   float m[kMaxG], l[kMaxG];
   for (int64_t g = 0; g < G; ++g) {
@@ -1563,7 +1596,14 @@ void attend_vec(const float* q, const T* k_base, const T* v_base, const int32_t*
       const int64_t slot = int64_t(table[pos / bs]) * bs + pos % bs;
       krow[t] = k_base + slot * D;
       vrow[t] = v_base + slot * D;
-      for (int j = 0; j < NV; ++j) _mm512_store_ps(&kf[t][16 * j], load16(krow[t] + 16 * j));
+      if constexpr (kScaled<T>) {
+        const __m512 sk = _mm512_set1_ps(ks[slot]);
+        vscale[t] = vs[slot];
+        for (int j = 0; j < NV; ++j)
+          _mm512_store_ps(&kf[t][16 * j], _mm512_mul_ps(load16(krow[t] + 16 * j), sk));
+      } else {
+        for (int j = 0; j < NV; ++j) _mm512_store_ps(&kf[t][16 * j], load16(krow[t] + 16 * j));
+      }
     }
     const __mmask16 live = __mmask16(((1u << t1) - 1) & ~((1u << t0) - 1));
     // the next chunk's rows, a block that may lie anywhere in the cache: no hardware
@@ -1575,6 +1615,10 @@ void attend_vec(const float* q, const T* k_base, const T* v_base, const int32_t*
       for (int64_t b = 0; b < int64_t(D * sizeof(T)); b += 64) {
         _mm_prefetch(reinterpret_cast<const char*>(k_base + slot * D) + b, _MM_HINT_T0);
         _mm_prefetch(reinterpret_cast<const char*>(v_base + slot * D) + b, _MM_HINT_T0);
+      }
+      if constexpr (kScaled<T>) {
+        _mm_prefetch(reinterpret_cast<const char*>(ks + slot), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(vs + slot), _MM_HINT_T0);
       }
     }
     for (int64_t g = 0; g < G; ++g) {
@@ -1604,7 +1648,7 @@ void attend_vec(const float* q, const T* k_base, const T* v_base, const int32_t*
       __m512 vv[NV];
       for (int j = 0; j < NV; ++j) vv[j] = load16(vrow[t] + 16 * j);
       for (int64_t g = 0; g < G; ++g) {
-        const __m512 pv = _mm512_set1_ps(pr[g][t]);
+        const __m512 pv = _mm512_set1_ps(kScaled<T> ? pr[g][t] * vscale[t] : pr[g][t]);
         for (int j = 0; j < NV; ++j) acc[g][j] = _mm512_fmadd_ps(pv, vv[j], acc[g][j]);
       }
     }
@@ -1618,17 +1662,17 @@ void attend_vec(const float* q, const T* k_base, const T* v_base, const int32_t*
 #endif
 
 template <typename T>
-void attend_one(const float* q, const T* k_base, const T* v_base, const int32_t* table,
-                int64_t bs, int64_t lo, int64_t n, int64_t G, int64_t D, float soft_cap,
-                float* out) {
+void attend_one(const float* q, const T* k_base, const T* v_base, const float* ks,
+                const float* vs, const int32_t* table, int64_t bs, int64_t lo, int64_t n,
+                int64_t G, int64_t D, float soft_cap, float* out) {
 #if defined(__AVX512F__)
   if (G <= 8) {
     switch (D) {
-      case 16: return attend_vec<1>(q, k_base, v_base, table, bs, lo, n, G, soft_cap, out);
-      case 32: return attend_vec<2>(q, k_base, v_base, table, bs, lo, n, G, soft_cap, out);
-      case 64: return attend_vec<4>(q, k_base, v_base, table, bs, lo, n, G, soft_cap, out);
-      case 96: return attend_vec<6>(q, k_base, v_base, table, bs, lo, n, G, soft_cap, out);
-      case 128: return attend_vec<8>(q, k_base, v_base, table, bs, lo, n, G, soft_cap, out);
+      case 16: return attend_vec<1>(q, k_base, v_base, ks, vs, table, bs, lo, n, G, soft_cap, out);
+      case 32: return attend_vec<2>(q, k_base, v_base, ks, vs, table, bs, lo, n, G, soft_cap, out);
+      case 64: return attend_vec<4>(q, k_base, v_base, ks, vs, table, bs, lo, n, G, soft_cap, out);
+      case 96: return attend_vec<6>(q, k_base, v_base, ks, vs, table, bs, lo, n, G, soft_cap, out);
+      case 128: return attend_vec<8>(q, k_base, v_base, ks, vs, table, bs, lo, n, G, soft_cap, out);
     }
   }
 #endif
@@ -1639,9 +1683,10 @@ void attend_one(const float* q, const T* k_base, const T* v_base, const int32_t*
     for (int64_t t = 0; t < C; ++t) {
       const int64_t pos = c0 + t;
       const int64_t slot = int64_t(table[pos / bs]) * bs + pos % bs;
+      const float sk = kScaled<T> ? ks[slot] : 1.0f, sv = kScaled<T> ? vs[slot] : 1.0f;
       for (int64_t d = 0; d < D; ++d) {
-        kf[t * D + d] = load_kv(k_base + slot * D + d);
-        vf[t * D + d] = load_kv(v_base + slot * D + d);
+        kf[t * D + d] = load_kv(k_base + slot * D + d) * sk;
+        vf[t * D + d] = load_kv(v_base + slot * D + d) * sv;
       }
     }
     for (int64_t g = 0; g < G; ++g) {
@@ -1672,16 +1717,37 @@ void attend_one(const float* q, const T* k_base, const T* v_base, const int32_t*
 }
 
 // What both attention handlers check of their operands: q [., KVH, G, D], the cache
-// [L, 2, KVH, slots, D] in f32 or bf16 bits, whole blocks, a block table [S, MB], the layer.
+// [L, 2, KVH, slots, D] in f32, bf16 bits, int8 or fp8 (the last two with f32 scales
+// [L, 2, KVH, slots]), whole blocks, a block table [S, MB], the layer.
+enum class KvKind { kF32, kBf16, kI8, kFp8 };
+
 struct PagedCache {
   int64_t KVH, G, D, NS, S, MB, layer, num_blocks, bs;
-  bool bits;
+  KvKind kind;
   const void* base;
+  const float* scales;
   const int32_t* tables;
-  // K (0) or V (1) plane of head h of the layer, as T (float or uint16_t)
+  // K (0) or V (1) plane of head h of the layer, as T (float, uint16_t, int8_t or Fp8)
   template <typename T>
   const T* plane(int which, int64_t h) const {
     return static_cast<const T*>(base) + ((layer * 2 + which) * KVH + h) * NS * D;
+  }
+  // its scales, one per slot (quantized caches)
+  const float* scale_plane(int which, int64_t h) const {
+    return scales + ((layer * 2 + which) * KVH + h) * NS;
+  }
+  // f(K plane, V plane, K scales, V scales) with the planes typed as the cache is stored
+  template <typename F>
+  void with_planes(int64_t h, F&& f) const {
+    const float* none = nullptr;
+    switch (kind) {
+      case KvKind::kF32: return f(plane<float>(0, h), plane<float>(1, h), none, none);
+      case KvKind::kBf16: return f(plane<uint16_t>(0, h), plane<uint16_t>(1, h), none, none);
+      case KvKind::kI8:
+        return f(plane<int8_t>(0, h), plane<int8_t>(1, h), scale_plane(0, h), scale_plane(1, h));
+      case KvKind::kFp8:
+        return f(plane<Fp8>(0, h), plane<Fp8>(1, h), scale_plane(0, h), scale_plane(1, h));
+    }
   }
   // every block a context [lo, n) of row s reads is inside the cache
   bool blocks_ok(int64_t s, int64_t lo, int64_t n) const {
@@ -1692,17 +1758,30 @@ struct PagedCache {
 };
 
 ffi::Error read_paged(const char* what, const ffi::Buffer<ffi::F32>& q, const ffi::AnyBuffer& cache,
-                      const ffi::Buffer<ffi::S32>& layer, const ffi::Buffer<ffi::S32>& tables,
-                      int64_t block_size, PagedCache* pc) {
+                      const ffi::AnyBuffer& scale, const ffi::Buffer<ffi::S32>& layer,
+                      const ffi::Buffer<ffi::S32>& tables, int64_t block_size, PagedCache* pc) {
   auto qd = q.dimensions(), cd = cache.dimensions(), td = tables.dimensions();
   auto bad = [what](const char* why) { return ffi::Error::InvalidArgument(std::string(what) + ": " + why); };
   if (qd.size() != 4 || cd.size() != 5 || td.size() != 2)
     return bad("q [., KVH, G, D], cache [L, 2, KVH, slots, D], tables [S, blocks]");
   pc->KVH = qd[1], pc->G = qd[2], pc->D = qd[3], pc->NS = cd[3], pc->S = td[0], pc->MB = td[1];
   if (cd[1] != 2 || cd[2] != pc->KVH || cd[4] != pc->D) return bad("shapes do not match");
-  pc->bits = cache.element_type() == ffi::DataType::U16;
-  if (!pc->bits && cache.element_type() != ffi::DataType::F32)
-    return bad("the cache must be f32 or bf16 bits (uint16)");
+  switch (cache.element_type()) {
+    case ffi::DataType::F32: pc->kind = KvKind::kF32; break;
+    case ffi::DataType::U16: pc->kind = KvKind::kBf16; break;
+    case ffi::DataType::S8: pc->kind = KvKind::kI8; break;
+    case ffi::DataType::F8E4M3FN:
+    case ffi::DataType::U8: pc->kind = KvKind::kFp8; break;  // fp8, or its bytes (kv.FP8_BITS)
+    default: return bad("the cache must be f32, bf16 bits (uint16), int8 or fp8 (or its bytes)");
+  }
+  pc->scales = nullptr;
+  if (pc->kind == KvKind::kI8 || pc->kind == KvKind::kFp8) {
+    auto sd = scale.dimensions();
+    if (scale.element_type() != ffi::DataType::F32 || sd.size() != 4 || sd[0] != cd[0] ||
+        sd[1] != 2 || sd[2] != pc->KVH || sd[3] != pc->NS)
+      return bad("a quantized cache needs f32 scales [L, 2, KVH, slots]");
+    pc->scales = static_cast<const float*>(scale.untyped_data());
+  }
   if (block_size <= 0 || pc->NS % block_size) return bad("slots must be whole blocks");
   pc->bs = block_size;
   pc->num_blocks = pc->NS / block_size;
@@ -1723,8 +1802,8 @@ constexpr int kSubTile = 16;
 
 template <int NV, typename T>
 void attend_tile_vec(const float* q, int64_t q_stride, const int32_t* pos, int64_t nq, int64_t G,
-                     const T* k_base, const T* v_base, const int32_t* table, int64_t bs,
-                     int64_t window, float soft_cap, float* out) {
+                     const T* k_base, const T* v_base, const float* ks, const float* vs,
+                     const int32_t* table, int64_t bs, int64_t window, float soft_cap, float* out) {
 #if defined(__AVX512F__)
   constexpr int64_t D = 16 * NV;
   alignas(64) float kf[kAttnChunk][D], vf[kAttnChunk][D];
@@ -1752,9 +1831,17 @@ void attend_tile_vec(const float* q, int64_t q_stride, const int32_t* pos, int64
         }
         const int64_t p = c0 + t;
         const int64_t slot = int64_t(table[p / bs]) * bs + p % bs;
-        for (int j = 0; j < NV; ++j) {
-          _mm512_store_ps(&kf[t][16 * j], load16(k_base + slot * D + 16 * j));
-          _mm512_store_ps(&vf[t][16 * j], load16(v_base + slot * D + 16 * j));
+        if constexpr (kScaled<T>) {
+          const __m512 sk = _mm512_set1_ps(ks[slot]), sv = _mm512_set1_ps(vs[slot]);
+          for (int j = 0; j < NV; ++j) {
+            _mm512_store_ps(&kf[t][16 * j], _mm512_mul_ps(load16(k_base + slot * D + 16 * j), sk));
+            _mm512_store_ps(&vf[t][16 * j], _mm512_mul_ps(load16(v_base + slot * D + 16 * j), sv));
+          }
+        } else {
+          for (int j = 0; j < NV; ++j) {
+            _mm512_store_ps(&kf[t][16 * j], load16(k_base + slot * D + 16 * j));
+            _mm512_store_ps(&vf[t][16 * j], load16(v_base + slot * D + 16 * j));
+          }
         }
       }
       for (int64_t i = 0; i < ni; ++i) {
@@ -1808,32 +1895,34 @@ void attend_tile_vec(const float* q, int64_t q_stride, const int32_t* pos, int64
 // any D and G: each token as its own decode query over [lo, position]
 template <typename T>
 void attend_tile(const float* q, int64_t q_stride, const int32_t* pos, int64_t nq, int64_t G,
-                 int64_t D, const T* k_base, const T* v_base, const int32_t* table, int64_t bs,
-                 int64_t window, float soft_cap, float* out) {
+                 int64_t D, const T* k_base, const T* v_base, const float* ks, const float* vs,
+                 const int32_t* table, int64_t bs, int64_t window, float soft_cap, float* out) {
 #if defined(__AVX512F__)
   switch (D) {
-    case 16: return attend_tile_vec<1>(q, q_stride, pos, nq, G, k_base, v_base, table, bs, window, soft_cap, out);
-    case 32: return attend_tile_vec<2>(q, q_stride, pos, nq, G, k_base, v_base, table, bs, window, soft_cap, out);
-    case 64: return attend_tile_vec<4>(q, q_stride, pos, nq, G, k_base, v_base, table, bs, window, soft_cap, out);
-    case 96: return attend_tile_vec<6>(q, q_stride, pos, nq, G, k_base, v_base, table, bs, window, soft_cap, out);
-    case 128: return attend_tile_vec<8>(q, q_stride, pos, nq, G, k_base, v_base, table, bs, window, soft_cap, out);
+    case 16: return attend_tile_vec<1>(q, q_stride, pos, nq, G, k_base, v_base, ks, vs, table, bs, window, soft_cap, out);
+    case 32: return attend_tile_vec<2>(q, q_stride, pos, nq, G, k_base, v_base, ks, vs, table, bs, window, soft_cap, out);
+    case 64: return attend_tile_vec<4>(q, q_stride, pos, nq, G, k_base, v_base, ks, vs, table, bs, window, soft_cap, out);
+    case 96: return attend_tile_vec<6>(q, q_stride, pos, nq, G, k_base, v_base, ks, vs, table, bs, window, soft_cap, out);
+    case 128: return attend_tile_vec<8>(q, q_stride, pos, nq, G, k_base, v_base, ks, vs, table, bs, window, soft_cap, out);
   }
 #endif
   for (int64_t i = 0; i < nq; ++i) {
     const int64_t lo = window > 0 ? std::max<int64_t>(pos[i] - window + 1, 0) : 0;
-    attend_one(q + i * q_stride, k_base, v_base, table, bs, lo, int64_t(pos[i]) + 1, G, D,
-               soft_cap, out + i * q_stride);
+    attend_one(q + i * q_stride, k_base, v_base, ks, vs, table, bs, lo, int64_t(pos[i]) + 1, G,
+               D, soft_cap, out + i * q_stride);
   }
 }
 
 ffi::Error PrefillAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer cache,
-                            ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> tables,
+                            ffi::AnyBuffer scale, ffi::Buffer<ffi::S32> layer,
+                            ffi::Buffer<ffi::S32> tables,
                             ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> qsl,
                             ffi::Buffer<ffi::S32> tile_seq, ffi::Buffer<ffi::S32> tile_start,
                             ffi::Buffer<ffi::S32> num_tiles, int64_t block_size, int64_t q_tile,
                             int64_t window, float soft_cap, ffi::ResultBuffer<ffi::F32> out) {
   PagedCache pc;
-  if (auto e = read_paged("prefill attention", q, cache, layer, tables, block_size, &pc); e.failure())
+  if (auto e = read_paged("prefill attention", q, cache, scale, layer, tables, block_size, &pc);
+      e.failure())
     return e;
   const int64_t T = q.dimensions()[0], S = pc.S, KVH = pc.KVH, G = pc.G, D = pc.D, MB = pc.MB;
   const int64_t W = tile_seq.element_count();
@@ -1869,23 +1958,23 @@ ffi::Error PrefillAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
       const int64_t stride = KVH * G * D;
       const float* qa = qp + a * stride + h * G * D;
       float* oa = op + a * stride + h * G * D;
-      if (pc.bits)
-        attend_tile(qa, stride, pp + a, b - a, G, D, pc.plane<uint16_t>(0, h), pc.plane<uint16_t>(1, h),
-                    tp + s * MB, block_size, window, soft_cap, oa);
-      else
-        attend_tile(qa, stride, pp + a, b - a, G, D, pc.plane<float>(0, h), pc.plane<float>(1, h),
-                    tp + s * MB, block_size, window, soft_cap, oa);
+      pc.with_planes(h, [&](auto k, auto v, const float* ks, const float* vs) {
+        attend_tile(qa, stride, pp + a, b - a, G, D, k, v, ks, vs, tp + s * MB, block_size, window,
+                    soft_cap, oa);
+      });
     }
   });
   return ffi::Error::Success();
 }
 
 ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer cache,
-                           ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> tables,
+                           ffi::AnyBuffer scale, ffi::Buffer<ffi::S32> layer,
+                           ffi::Buffer<ffi::S32> tables,
                            ffi::Buffer<ffi::S32> lens, ffi::Buffer<ffi::S32> lows,
                            int64_t block_size, float soft_cap, ffi::ResultBuffer<ffi::F32> out) {
   PagedCache pc;
-  if (auto e = read_paged("decode attention", q, cache, layer, tables, block_size, &pc); e.failure())
+  if (auto e = read_paged("decode attention", q, cache, scale, layer, tables, block_size, &pc);
+      e.failure())
     return e;
   const int64_t S = pc.S, KVH = pc.KVH, G = pc.G, D = pc.D, MB = pc.MB;
   if (q.dimensions()[0] != S || lens.element_count() != S || lows.element_count() != S)
@@ -1904,12 +1993,9 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::A
       const int64_t s = i / KVH, h = i % KVH, n = np_[s], lo = lp[s];
       const float* qs = qp + i * G * D;
       float* os = op + i * G * D;
-      if (pc.bits)
-        attend_one(qs, pc.plane<uint16_t>(0, h), pc.plane<uint16_t>(1, h), tp + s * MB, block_size,
-                   lo, n, G, D, soft_cap, os);
-      else
-        attend_one(qs, pc.plane<float>(0, h), pc.plane<float>(1, h), tp + s * MB, block_size, lo,
-                   n, G, D, soft_cap, os);
+      pc.with_planes(h, [&](auto k, auto v, const float* ks, const float* vs) {
+        attend_one(qs, k, v, ks, vs, tp + s * MB, block_size, lo, n, G, D, soft_cap, os);
+      });
     }
   });
   return ffi::Error::Success();
@@ -1917,12 +2003,14 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::A
 
 }  // namespace
 
-// q, the cache, the layer index, the block tables: both attention handlers start so
+// q, the cache, its scales (read for int8 / fp8 caches only), the layer index, the block
+// tables: both attention handlers start so
 namespace {
 auto BindAttention() {
   return ffi::Ffi::Bind()
       .Ctx<ffi::ThreadPool>()
       .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::AnyBuffer>()
       .Arg<ffi::AnyBuffer>()
       .Arg<ffi::Buffer<ffi::S32>>()
       .Arg<ffi::Buffer<ffi::S32>>();
