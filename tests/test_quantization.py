@@ -343,6 +343,62 @@ def test_cpu_amx_and_avx512_kernels_agree(case, monkeypatch):
         assert rel(avx, exact) < (2e-2 if case.startswith("w8a8") else 1e-6), (case, M)
 
 
+def test_cpu_fp8_kernel_multiplies_as_fp8(monkeypatch):
+    """fp8 weights on the CPU kernels (XLA:CPU emulates an fp8 dot): activations rounded per
+    row to e4m3 as XLA rounds them, both operands multiplied as bf16 (exact), on AMX's tiles
+    and on AVX-512, at row counts on both sides of the tiles' 4 and 16: equal to the XLA path
+    and to the float64 product of the e4m3 values, up to f32 sums; padding rows come back
+    zero; a shape the kernel does not take stays on XLA."""
+    import ml_dtypes
+
+    from jaxllm.quantization import cpu
+    if not cpu.available():
+        pytest.fail("the CPU kernels did not build here (see the warning)")
+    N, K = 112, 256
+    w = RNG.standard_normal((3, N, K)).astype(np.float32)
+    hs = [F.quantize_fp8(w[i]) for i in range(3)]
+    q = jnp.asarray(np.stack([h.q for h in hs]))
+    scale = jnp.asarray(np.stack([h.scale for h in hs]))
+    qw = QWeight(q, scale, None, None, jnp.int32(2), "fp8", "cpu")
+    assert cpu.fp8_apply(qw)
+    kernel = jax.jit(lambda x, rows=None: cpu.matmul(x, qw, rows))
+    xla = jax.jit(lambda x: matmul_xla(x, dataclasses.replace(qw, backend="xla"),
+                                       uniform_policy(jnp.float32)))
+    wq = hs[2].q.astype(np.float64) * hs[2].scale.astype(np.float64)
+    for M in (1, 3, 4, 8, 16, 17, 40):
+        x = RNG.standard_normal((M, K)).astype(np.float32) * 3
+        x[0, :5] = [0.0, 1e-4, -2e-3, 7.0, -7.0]  # subnormal e4m3 values and the row's top
+        s = np.abs(x).max(-1, keepdims=True) / np.float32(448.0)
+        xq = (x / s).astype(ml_dtypes.float8_e4m3fn).astype(np.float64) * s
+        exact = xq @ wq.T
+        monkeypatch.delenv("JAXLLM_CPU_AMX", raising=False)
+        tiles = np.asarray(kernel(x))
+        monkeypatch.setenv("JAXLLM_CPU_AMX", "0")
+        avx = np.asarray(kernel(x))
+        ref = np.asarray(xla(x))
+        for got in (tiles, avx):
+            assert rel(got, exact) < 1e-6, M
+            assert rel(got, ref) < 1e-6, M
+        padded = np.asarray(kernel(np.concatenate([x, x]), jnp.int32(M)))
+        np.testing.assert_array_equal(padded[M:], 0)
+        np.testing.assert_array_equal(padded[:M], avx)
+    odd = dataclasses.replace(qw, q=q[:, :, :40], scale=scale)  # K = 40: not a multiple of 32
+    assert not cpu.fp8_apply(odd)
+    # each activation's rounding, seen through 448 times the identity: ties to even among
+    # normals (17 -> 16, 19 -> 20) and subnormals (multiples of 2^-9), the row's top at 448
+    eye = F.quantize_fp8(np.eye(32, dtype=np.float32) * 448)
+    iw = QWeight(jnp.asarray(eye.q), jnp.asarray(eye.scale), None, None, None, "fp8", "cpu")
+    sub = 2.0 ** -9
+    x = np.zeros((2, 32), np.float32)
+    x[0, :10] = [448, 17, 19, -17, 0.5 * sub, 1.5 * sub, 2.5 * sub, -1.5 * sub, 1e-3, 300.1]
+    x[1] = RNG.standard_normal(32) * 5
+    s = (np.abs(x).max(-1, keepdims=True) / np.float32(448)).astype(np.float32)
+    xq = (x / s).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    assert list(xq[0, 1:8]) == [16, 20, -16, 0, 2 * sub, 2 * sub, -2 * sub]
+    want = (xq * np.float32(448)) * s * eye.scale[:, 0]
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda x: cpu.matmul(x, iw))(x)), want)
+
+
 @pytest.mark.parametrize("kind,group,N,K,M", [("int4", 32, 96, 128, 5), ("int4", 128, 64, 256, 20),
                                                ("int8", 16, 64, 64, 3), ("int8", 32, 48, 96, 17)])
 def test_pallas_group_quantized_matmul(kind, group, N, K, M):

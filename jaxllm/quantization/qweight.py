@@ -164,9 +164,11 @@ def matmul_pallas(x: jax.Array, w: QWeight, policy, interpret: bool) -> jax.Arra
 
 def matmul(x: jax.Array, w: QWeight, policy, rows=None) -> jax.Array:
     """rows: how many leading rows of x are real; the CPU kernels skip the others (zeros)."""
-    if w.backend == "cpu" and w.kind != "fp8":  # the CPU kernels have no fp8 (XLA emulates it)
+    if w.backend == "cpu":
         from jaxllm.quantization import cpu
-        return cpu.matmul(x, w, rows, bf16_activations=policy.round_to_bf16 and w.per_channel_int8)
+        if w.kind != "fp8" or cpu.fp8_apply(w):  # else XLA emulates the fp8 dot
+            return cpu.matmul(x, w, rows,
+                              bf16_activations=policy.round_to_bf16 and w.per_channel_int8)
     grouped = w.kind == "int4" or (w.kind == "int8" and w.group < w.in_features)
     if w.backend.startswith("pallas") and grouped and w.act == "none" and w.smooth is None:
         return matmul_pallas(x, w, policy, interpret=w.backend == "pallas_interpret")

@@ -32,6 +32,7 @@ TARGETS = {"jaxllm_qmm": "JaxllmQmm", "jaxllm_qmm_sym": "JaxllmQmmSym",
            "jaxllm_qmm_q8": "JaxllmQmmQ8", "jaxllm_qmm_q8_sym": "JaxllmQmmQ8Sym",
            "jaxllm_w8a8": "JaxllmW8A8", "jaxllm_w8a8_smooth": "JaxllmW8A8Smooth",
            "jaxllm_qmm_sym_bf16": "JaxllmQmmSymBf16",
+           "jaxllm_fp8": "JaxllmFp8",
            "jaxllm_bf16_in_out": "JaxllmBf16InOut", "jaxllm_bf16_out_in": "JaxllmBf16OutIn",
            "jaxllm_bf16_panels": "JaxllmBf16Panels",
            "jaxllm_w8a8_panels": "JaxllmW8A8Panels",
@@ -176,6 +177,16 @@ def from_i8_panels(p: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(words, jnp.int8).reshape(L, P * PANEL, (KQ - 1) * 4)
 
 
+def fp8_apply(w) -> bool:
+    """Whether an fp8 QWeight (e4m3 codes, per-channel scales, e4m3 activations) runs in the
+    kernels: they are here and have AVX512-BF16 (the operands multiply as bf16), K is a
+    multiple of 32 and N of 16; otherwise XLA emulates the fp8 dot."""
+    if (w.kind != "fp8" or w.act != "fp8" or w.in_features % 32 or w.out_features % 16
+            or w.smooth is not None):
+        return False
+    return available() and bool(_state["lib"].JaxllmBf16PanelsBuilt())
+
+
 def prepare_async() -> threading.Thread:
     """Start building the kernels in the background (the first build takes seconds)."""
     t = threading.Thread(target=available, daemon=True)
@@ -209,6 +220,8 @@ def matmul(x: jax.Array, w, rows=None, bf16_activations: bool = False) -> jax.Ar
             y = jax.ffi.ffi_call("jaxllm_w8a8_panels_smooth", out)(x2, q, scale, smooth, layer)
         else:
             y = jax.ffi.ffi_call("jaxllm_w8a8_panels", out)(x2, q, scale, layer)
+    elif w.kind == "fp8":
+        y = jax.ffi.ffi_call("jaxllm_fp8", out)(x2, q, scale, layer)
     elif w.act == "int8":
         if smooth is not None:
             y = jax.ffi.ffi_call("jaxllm_w8a8_smooth", out)(x2, q, scale, smooth, layer)
