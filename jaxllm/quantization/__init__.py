@@ -6,7 +6,7 @@
          it), asymmetric (scale and offset per group), quantized at load
   w8a8   int8 weights per channel and int8 activations quantized per token at run time
   fp8    e4m3 weights per channel and e4m3 activations per token (the GPU path: Hopper's fp8
-         matrix units; on a CPU XLA emulates it, slowly)
+         matrix units; on a CPU the kernels multiply the e4m3 values as bf16, which is exact)
   awq, gptq, compressed-tensors, gguf   a checkpoint quantized that way, kept quantized
   none   dequantize a quantized checkpoint to --dtype at load (jaxllm's; for comparisons)
 Left unset, a quantized checkpoint runs as shipped and a float one unquantized.
