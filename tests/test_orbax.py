@@ -109,28 +109,45 @@ def test_dtype_cast_on_restore_and_dummy(tiny_llama, tmp_path):
         jo._check_params(stored, "ckpt", ["q"], [jax.ShapeDtypeStruct((2,), jnp.float32)])
 
 
-def test_cpu_panels_are_packed_at_load_and_saved_unpacked(tmp_path, tokenizer_dir):
-    """On a CPU with the kernels the bf16 policy keeps panel-sized layer stacks as packed
-    panels; a checkpoint converted from it holds the plain [L, K, N] bf16 stacks, and restoring
-    it packs them again: the same logits."""
+@pytest.mark.parametrize("tied", [False, True])
+def test_cpu_panels_are_packed_at_load_and_saved_unpacked(tmp_path, tokenizer_dir, tied):
+    """On a CPU with the kernels the bf16 policy keeps panel-sized layer stacks and the head (the
+    LM head, or the embedding table where it is tied; an untied table, read only by row, stays)
+    as packed panels, and computes what the per-call packing does; a checkpoint converted from
+    it holds the plain bf16 arrays, and restoring it packs them again: the same logits."""
+    import dataclasses
+
     from jaxllm.layers.linear import CPU_BF16_POLICY
+    from jaxllm.loader.loader import panel_state
     from jaxllm.quantization import cpu
     from test_models import PANEL_SHAPES
     src, out = str(tmp_path / "src"), str(tmp_path / "ckpt")
-    make_tiny_checkpoint(src, "llama3", tokenizer_dir, **PANEL_SHAPES)
+    make_tiny_checkpoint(src, "llama3", tokenizer_dir, tie_word_embeddings=tied, **PANEL_SHAPES)
     plain = load_model(src, jnp.bfloat16, load_tokenizer=False)   # XLA's bf16: no kernel
     packed = load_model(src, CPU_BF16_POLICY, load_tokenizer=False)
     w = packed.state["layers"]["w_gate_up"][...]
     assert w.dtype == jnp.uint32 and w.shape == (2, 192 // cpu.PANEL, 96 // 2, cpu.PANEL)
     np.testing.assert_array_equal(np.asarray(cpu.from_panels(w)),
                                   np.asarray(plain.state["layers"]["w_gate_up"][...]))
+    name = "embed_tokens" if tied else "lm_head"
+    head = packed.state[name][...]
+    assert head.dtype == jnp.uint32 and head.shape == (1, 49152 // cpu.PANEL, 96 // 2, cpu.PANEL)
+    np.testing.assert_array_equal(np.asarray(cpu.from_head_panels(head, tied)),
+                                  np.asarray(plain.state[name][...]))
+    if not tied:
+        assert packed.state["embed_tokens"][...].dtype == jnp.bfloat16
+    ids = list(range(3, 20)) + [49151, 48, 47]
+    unpacked = dataclasses.replace(packed, state=panel_state(packed.state, pack=False))
+    assert unpacked.state[name][...].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(all_logits(unpacked, ids), all_logits(packed, ids))
     assert main(["convert", src, out, "--dtype", "bfloat16"]) == 0
-    assert jo.read_metadata(out)["params"]["layers.wqkv"] == {"shape": [2, 96, 192], "dtype": "bfloat16"}
+    params = jo.read_metadata(out)["params"]
+    assert params["layers.wqkv"] == {"shape": [2, 96, 192], "dtype": "bfloat16"}
+    assert params[name] == {"shape": [49152, 96] if tied else [96, 49152], "dtype": "bfloat16"}
     restored = load_model(out, jnp.bfloat16, load_tokenizer=False)
     for name, r, g in zip(*jo.flatten(plain.state)[:2], jo.flatten(restored.state)[1]):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(r), err_msg=name)
     again = load_model(out, CPU_BF16_POLICY, load_tokenizer=False)
-    ids = list(range(3, 20))
     np.testing.assert_array_equal(all_logits(again, ids), all_logits(packed, ids))
 
 

@@ -251,16 +251,30 @@ def _param_name(path_keys) -> str:
 def panel_state(state, pack: bool, dense: bool = True, quant: qmethods.QuantSpec | None = None):
     """A model state with its layer stacks packed as the CPU kernels' panels where they apply
     (pack), or unpacked back: load_model packs once for the engine; a checkpoint is written
-    unpacked. Packed: float stacks (`layers.<name>`, bf16 [L, K, N]) when `dense`, and the
-    codes of w8a8 stacks in the CPU kernels (`layers.<name>.q`, int8 [L, N, K]) by `quant`."""
+    unpacked. Packed: float stacks (`layers.<name>`, bf16 [L, K, N]) and the bf16 head (the
+    LM head, or the embedding table where it is tied) when `dense`, and the codes of w8a8
+    stacks in the CPU kernels (`layers.<name>.q`, int8 [L, N, K]) by `quant`."""
     from jaxllm.quantization import cpu
+    names = {_param_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]}
+    tied = "lm_head" not in names  # the embedding table is the head too
 
     def w8a8(prefix: str) -> bool:
         layout = None if quant is None or quant.backend != "cpu" else quant.get(prefix)
         return layout is not None and layout.act == "int8"
 
+    def head(name: str, x):
+        out_major = name == "embed_tokens"
+        if out_major and not tied:  # a table read only by row stays as it is
+            return x
+        if pack:
+            return (cpu.to_head_panels(x, out_major) if dense and cpu.head_panels_apply(x, out_major)
+                    else x)
+        return cpu.from_head_panels(x, out_major) if x.ndim == 4 and x.dtype == np.uint32 else x
+
     def one(path, x):
         name = _param_name(path).split(".")
+        if name in (["embed_tokens"], ["lm_head"]):
+            return head(name[0], x)
         if name[0] != "layers" or len(name) not in (2, 3):
             return x
         if len(name) == 3:  # a quantized matrix's part

@@ -99,6 +99,11 @@ def split_device_major(y: jax.Array, sizes: list[int], tp: int) -> list[jax.Arra
     return out
 
 
+def _head_panels(w) -> bool:
+    """A head kept as the CPU kernels' panels (loader.panel_state): uint32 [1, V/48, E/2, 48]."""
+    return w.ndim == 4 and w.dtype == jnp.uint32
+
+
 class LlamaForCausalLM(nnx.Module):
     # checkpoint tensor names -> our parameters
     HF_WEIGHTS = WeightMap(r"model\.layers\.(\d+)\.(.+)", _hf_layer(fused_in_checkpoint=False), _HF_WHOLE,
@@ -230,6 +235,8 @@ class LlamaForCausalLM(nnx.Module):
         head = self.lm_head if self.lm_head is not None else self.embed_tokens
         if isinstance(head, QParam):  # quantized matrices are out-major: the table itself
             head = head.weight()
+        elif self.dense_kernel and _head_panels(head[...]):
+            head = DenseWeight(head[...], panels=True)
         elif self.dense_kernel:
             head = DenseWeight(head[...], out_major=self.lm_head is None)
         elif self.lm_head is None:
@@ -257,6 +264,9 @@ class LlamaForCausalLM(nnx.Module):
         real = md.query_start_loc[-1]  # tokens before the bucket's padding: linear skips the rest
         if isinstance(self.embed_tokens, QParam):
             x = embed_rows(self.embed_tokens.weight(), input_ids, pol.activation)
+        elif _head_panels(self.embed_tokens[...]):  # a tied table kept as the head's panels
+            from jaxllm.quantization import cpu
+            x = cpu.embed_from_panels(self.embed_tokens[...], input_ids).astype(pol.activation)
         else:
             x = self.embed_tokens[...][input_ids].astype(pol.activation)
 
