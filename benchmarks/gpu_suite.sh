@@ -6,7 +6,9 @@
 # into one archive in $OUT that is refreshed after every step. SUITE_MODEL / SUITE_SCALE=small shrink it for a dry run on a CPU.
 # Stages can be named to run a part (the device tool stops a command after 10 minutes, and the
 # compilation cache under .cache/ carries over between calls on a warm machine):
-#   benchmarks/gpu_suite.sh [tests] [kernels] [latency] [throughput] [serve] [startup]   (default: all)
+#   benchmarks/gpu_suite.sh [tests] [kernels] [latency] [host] [throughput] [serve] [startup]   (default: all)
+# STEP_TIMEOUT=SECONDS stops any one step after that long, so that a call with little device
+# time left still reaches the later steps (what a stopped step measured is in the log).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # The GPU image lacks some of our dependencies (starlette, uvicorn, pydantic, ...) and reaches
@@ -28,7 +30,7 @@ TAG="${STAMP}_${DEVICE}"
 export JAXLLM_COMPILATION_CACHE_DIR="${JAXLLM_COMPILATION_CACHE_DIR:-$PWD/.cache/xla}"
 LOG="$RESULTS/gpu_suite_${TAG}.log"
 status=0
-STAGES="${*:-tests kernels latency throughput serve startup}"
+STAGES="${*:-tests kernels latency host throughput serve startup}"
 want() { [[ " $STAGES " == *" $1 "* ]]; }
 
 if [ "${SUITE_SCALE:-full}" = small ]; then
@@ -36,6 +38,7 @@ if [ "${SUITE_SCALE:-full}" = small ]; then
   ENGINE=(--model "$MODEL" --load-format dummy --max-model-len "$MAX_LEN" --max-num-seqs 8
           --max-num-batched-tokens 64)
   N_THROUGHPUT=8; N_SERVE=8; CONC=1,4; BATCH=4; KGRID=small; IN_LEN=64; OUT_LEN=16
+  HOST=(--max-model-len "$MAX_LEN" --max-num-seqs 8 --max-num-batched-tokens 64); HOST_BATCH=4,8
   STARTUP=(--max-model-len "$MAX_LEN" --max-num-seqs 4 --max-num-batched-tokens 32
            --warm-runs 1 --load-runs 1)  # the default model: GGUF vs Orbax
 else
@@ -43,6 +46,8 @@ else
   ENGINE=(--model "$MODEL" --load-format dummy --dtype bfloat16 --gpu-memory-utilization 0.9
           --max-model-len "$MAX_LEN" --max-num-seqs 256 --max-num-batched-tokens 8192)
   N_THROUGHPUT=1000; N_SERVE=400; CONC=16,64,256; BATCH=32; KGRID=full; IN_LEN=512; OUT_LEN=64
+  HOST=(--dtype bfloat16 --gpu-memory-utilization 0.5 --max-model-len 1024 --max-num-seqs 256
+        --max-num-batched-tokens 8192); HOST_BATCH=8,64,256
   # start-to-ready and weight loading of a 1B shape: safetensors vs Orbax, cold and warm
   STARTUP=(--random-checkpoint benchmarks/configs/llama-3.2-1b --dtype bfloat16
            --max-model-len "$MAX_LEN" --max-num-seqs 64 --max-num-batched-tokens 2048)
@@ -52,7 +57,7 @@ step() {  # step NAME CMD...: run, log, remember failures, go on
   local name=$1; shift
   echo "=== $name: $*" | tee -a "$LOG"
   local t0=$SECONDS
-  "$@" 2>&1 | tee -a "$LOG"
+  timeout "${STEP_TIMEOUT:-0}" "$@" 2>&1 | tee -a "$LOG"
   local rc=${PIPESTATUS[0]}
   echo "=== $name: exit $rc after $((SECONDS - t0)) s" | tee -a "$LOG"
   [ "$rc" -eq 0 ] || status=1
@@ -80,6 +85,13 @@ want kernels && step "kernel benchmark" python3 -m jaxllm.cli bench kernels --gr
 want latency && step "latency" python3 -m jaxllm.cli bench latency "${ENGINE[@]}" \
   --input-len "$IN_LEN" --output-len "$OUT_LEN" --batch-size "$BATCH" --num-iters 3 \
   --results-dir "$RESULTS" --tag "latency_${TAG}"
+# the host's exposed time per decode step where the device is another chip: the default
+# model's shape (SmolLM2-135M, random weights: its GGUF is too big to carry), whose steps are
+# short enough that host work would show
+want host && step "host overhead (SmolLM2-135M shape)" python3 -m jaxllm.cli bench latency \
+  --model benchmarks/configs/smollm2-135m --load-format dummy "${HOST[@]}" --input-len 128 \
+  --output-len 64 --batch-size "$HOST_BATCH" --num-iters 3 --results-dir "$RESULTS" \
+  --tag "latency_host_smollm2-135m_${TAG}"
 want throughput && step "throughput (ShareGPT-like mix)" python3 -m jaxllm.cli bench throughput \
   "${ENGINE[@]}" --dataset-name sharegpt --num-prompts "$N_THROUGHPUT" --no-hf-baseline \
   --results-dir "$RESULTS" --tag "throughput_sharegpt_${TAG}"
