@@ -2,7 +2,9 @@ import os
 
 import tempfile  # noqa: E402
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# tests run on the CPU; benchmarks/gpu_suite.sh runs the kernel tests on its GPU
+if os.environ.get("JAXLLM_GPU_TESTS") != "1":
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # one compilation cache for the whole run, so engines of the same shapes compile once
 os.environ.setdefault("JAXLLM_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="jaxllm-xla-"))
 os.environ.setdefault("JAXLLM_TOKENIZER_CACHE_DIR", tempfile.mkdtemp(prefix="jaxllm-tok-"))
