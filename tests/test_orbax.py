@@ -151,6 +151,23 @@ def test_cpu_panels_are_packed_at_load_and_saved_unpacked(tmp_path, tokenizer_di
     np.testing.assert_array_equal(all_logits(again, ids), all_logits(packed, ids))
 
 
+def test_a_quantized_head_leaves_the_embedding_table_unpacked():
+    """A model whose LM head is quantized (its parts lm_head.q, lm_head.scale) and whose
+    embedding table is bf16 is untied: the table, read only by row, is not packed as a head;
+    without an LM head the same table is the head and is packed."""
+    from jaxllm.loader.loader import panel_state
+    from jaxllm.quantization import cpu
+    if not cpu.available():
+        pytest.skip("no C++ compiler for the CPU kernels")
+    table = jnp.asarray(np.random.default_rng(0).normal(size=(96, 64)), jnp.bfloat16)
+    head = {"q": jnp.zeros((64, 96), jnp.int8), "scale": jnp.ones((96,), jnp.float32)}
+    untied = panel_state({"embed_tokens": table, "lm_head": head}, pack=True)
+    assert untied["embed_tokens"] is table
+    assert untied["lm_head"]["q"] is head["q"]
+    tied = panel_state({"embed_tokens": table}, pack=True)
+    assert tied["embed_tokens"].dtype == jnp.uint32
+
+
 def test_cpu_w8a8_codes_are_packed_at_load_and_saved_unpacked(tmp_path, tokenizer_dir):
     """w8a8 in the CPU kernels keeps panel-sized layer stacks' int8 codes as packed panels
     followed by their columns' sums; the packed model computes exactly what its unpacked codes

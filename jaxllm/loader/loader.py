@@ -256,7 +256,8 @@ def panel_state(state, pack: bool, dense: bool = True, quant: qmethods.QuantSpec
     stacks in the CPU kernels (`layers.<name>.q`, int8 [L, N, K]) by `quant`."""
     from jaxllm.quantization import cpu
     names = {_param_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]}
-    tied = "lm_head" not in names  # the embedding table is the head too
+    # the embedding table is the head too (a quantized head is lm_head.q, lm_head.scale, ...)
+    tied = not any(n == "lm_head" or n.startswith("lm_head.") for n in names)
 
     def w8a8(prefix: str) -> bool:
         layout = None if quant is None or quant.backend != "cpu" else quant.get(prefix)
