@@ -207,14 +207,15 @@ class LLMEngine:
             self.speculator = Speculator(spec, self.runner.batch, self.runner.drafter)
             logger.info("speculative decoding: %s", spec.describe())
         # huge pages under the weights and the KV cache (a CPU's TLB), asked for on a thread
-        self.huge_page_bytes: int | None = None  # once that thread has finished
+        # (bytes collapsed to huge pages, bytes asked for only), once that thread has finished
+        self.huge_page_bytes: tuple[int, int] | None = None
         if platform == "cpu":
             from jaxllm.runner.huge_pages import advise_in_background
             drafter = self.runner.drafter
             arrays = (self.runner.state, self.runner.kv_cache) + (
                 (drafter.state, drafter.kv_cache) if drafter is not None else ())
             self._huge_pages = advise_in_background(
-                arrays, lambda n: setattr(self, "huge_page_bytes", n))
+                arrays, lambda *n: setattr(self, "huge_page_bytes", n))
         self.compile_seconds = 0.0
         if config.warmup:
             self.compile_seconds = self.runner.compile_all(

@@ -62,28 +62,32 @@ def _enabled() -> bool:
     return os.environ.get("JAXLLM_HUGE_PAGES", "1") != "0" and thp_mode() not in (None, "never")
 
 
-def _apply(ranges) -> int:
+def _apply(ranges) -> tuple[int, int]:
+    """(bytes collapsed to huge pages now, bytes only asked for): the kernel may decline a
+    collapse (no MADV_COLLAPSE before Linux 6.1; EAGAIN or ENOMEM when it cannot gather 2 MiB
+    pages now), and then khugepaged collapses the asked-for ranges in its own time."""
     madvise = _madvise()
-    done = 0
+    collapsed = asked = 0
     for a, b in ranges:
         if madvise(a, b - a, MADV_HUGEPAGE):
             continue
-        # kernels before 6.1 have no MADV_COLLAPSE (EINVAL): khugepaged collapses in time
-        if madvise(a, b - a, MADV_COLLAPSE) == 0 or ctypes.get_errno() == errno.EINVAL:
-            done += b - a
-    return done
+        if madvise(a, b - a, MADV_COLLAPSE) == 0:
+            collapsed += b - a
+        else:
+            asked += b - a
+    return collapsed, asked
 
 
-def advise(arrays) -> int:
+def advise(arrays) -> tuple[int, int]:
     """Ask for huge pages under the CPU arrays in `arrays` (a pytree) and collapse the pages
-    they already have; returns the bytes collapsed (or, on kernels that cannot collapse,
-    asked for; 0 where THP is off)."""
-    return _apply(list(_ranges(arrays))) if _enabled() else 0
+    they already have; returns (bytes collapsed, bytes asked for but not collapsed yet), both
+    0 where THP is off."""
+    return _apply(list(_ranges(arrays))) if _enabled() else (0, 0)
 
 
 def advise_in_background(arrays, on_done=None) -> threading.Thread | None:
-    """advise(arrays) with the syscalls on a daemon thread; on_done(bytes) when it has
-    finished. The buffers' addresses are read here: a donated array (the KV cache, once a
+    """advise(arrays) with the syscalls on a daemon thread; on_done(collapsed, asked) when it
+    has finished. The buffers' addresses are read here: a donated array (the KV cache, once a
     step has run) cannot be asked for its buffer, and donation keeps the buffer in place."""
     if not _enabled():
         return None
@@ -91,14 +95,15 @@ def advise_in_background(arrays, on_done=None) -> threading.Thread | None:
 
     def run():
         try:
-            n = _apply(ranges)
+            collapsed, asked = _apply(ranges)
         except OSError as e:  # a hint to the kernel: never worth failing the engine for
             logger.warning("huge pages not applied: %s", e)
-            n = 0
-        if n:
-            logger.info("huge pages asked for %.0f MiB of weights and KV cache", n / 2**20)
+            collapsed = asked = 0
+        if collapsed or asked:
+            logger.info("huge pages under %.0f MiB of weights and KV cache (%.0f MiB more asked "
+                        "for)", collapsed / 2**20, asked / 2**20)
         if on_done is not None:
-            on_done(n)
+            on_done(collapsed, asked)
 
     t = threading.Thread(target=run, name="jaxllm-huge-pages", daemon=True)
     t.start()
