@@ -117,20 +117,21 @@ def test_quantized_kv_cache(kv_dtype, backend):
                                atol=0.03 if kv_dtype == "int8" else 0.15)
 
 
-def _write_quantized(cache, kv_dtype):
-    """The float cache written through write_kv into an int8 / fp8 cache, every slot of every
-    layer, as the engine's steps would have."""
+def _write_quantized(cache, kv_dtype, bits=False):
+    """The float cache written through write_kv into an int8 / fp8 cache (with `bits`, fp8
+    held as its bytes, as the CPU engine holds it), every slot of every layer, as the engine's
+    steps would have."""
     from jaxllm.layers.attention import write_kv
     from jaxllm.quantization import kv as kvq
     L, _, KVH, slots, D = cache.shape
-    qcache = kvq.make_cache(cache.shape, jnp.float32, kv_dtype)
+    qcache = kvq.make_cache(cache.shape, jnp.float32, kv_dtype, bits=bits)
     everything = jnp.arange(slots)
     for i in range(L):
         qcache = write_kv(qcache, i, cache[i, 0].swapaxes(0, 1), cache[i, 1].swapaxes(0, 1), everything)
     return qcache
 
 
-@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8", "fp8-bytes"])
 @pytest.mark.parametrize("heads,kv_heads,head_dim,window,soft_cap",
                          [(9, 3, 64, None, None), (16, 1, 32, None, None), (4, 2, 96, 50, None),
                           (6, 3, 80, None, 5.0), (8, 2, 128, 8, None)])
@@ -138,12 +139,21 @@ def test_quantized_cache_head_shapes(kv_dtype, heads, kv_heads, head_dim, window
     """The CPU kernels read int8 / fp8 codes and their scales in place, in both passes, at the
     kernel's head shapes (the vector paths, and the scalar loop for 16 heads a group and head
     dim 80), with a sliding window and a soft cap: XLA's path and the kernels both equal the
-    reference over the dequantized cache."""
+    reference over the dequantized cache. fp8-bytes: the fp8 cache as the CPU engine holds
+    it (uint8), the same bytes as the float8 array's."""
     from jaxllm.quantization import kv as kvq
     seqs = CASES["mixed"] + [(130, 40), (17, 1), (64, 1)]
     q, cache, layer, md = make_case(seqs, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                                     seed=heads + head_dim + len(kv_dtype))
-    qcache = _write_quantized(cache, kv_dtype)
+    kv_dtype, _, held = kv_dtype.partition("-")
+    qcache = _write_quantized(cache, kv_dtype, bits=held == "bytes")
+    if held:
+        as_fp8 = _write_quantized(cache, kv_dtype)
+        assert qcache.data.dtype == kvq.FP8_BITS
+        np.testing.assert_array_equal(
+            np.asarray(qcache.data),
+            np.asarray(jax.lax.bitcast_convert_type(as_fp8.data, kvq.FP8_BITS)))
+        np.testing.assert_array_equal(np.asarray(qcache.scale), np.asarray(as_fp8.scale))
     _check(q, qcache, layer, md, window=window, soft_cap=soft_cap,
            reference_cache=kvq.dequantize(qcache))
 
