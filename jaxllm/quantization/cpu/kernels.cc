@@ -123,7 +123,8 @@ struct Fp8 {
 // e4m3fn -> f16 bits: sign to bit 15, exponent and mantissa under f16's (exponent field e
 // of 0..15, never f16's inf/NaN), so f16's value is 2^(e-15)(1+m/8) and subnormals map to
 // subnormals; times 2^8 it is e4m3's 2^(e-7)(1+m/8), exactly. (e4m3fn's NaN, 0x7f, reads as
-// 480; writers clip to 448.)
+// 480: writers scale each row's largest magnitude to 448, so finite values never give it;
+// only a NaN in the row would, which XLA's path reads as NaN.)
 inline uint16_t fp8_to_half(uint8_t b) { return uint16_t(((b & 0x80) << 8) | ((b & 0x7f) << 7)); }
 
 inline float load_kv(const int8_t* p) { return float(*p); }
