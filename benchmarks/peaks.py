@@ -16,8 +16,9 @@ def bench(fn, *args, iters: int = 10, warmup: int = 2, warm_s: float = 0.0,
     a while). Each timed sample is `reps` calls launched back to back, so that the host's
     wait on the device is paid once per sample rather than once per call; only for inputs
     far larger than the GPU's L2, or repeated calls read the cache."""
+    jax.block_until_ready(fn(*args))  # compiles: the warm-up time starts after it
     start = time.perf_counter()
-    done = 0
+    done = 1
     while done < warmup or time.perf_counter() - start < warm_s:
         jax.block_until_ready(fn(*args))
         done += 1
