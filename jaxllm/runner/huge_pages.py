@@ -10,7 +10,6 @@ so it runs on a thread while the engine serves. JAXLLM_HUGE_PAGES=0 turns it off
 from __future__ import annotations
 
 import ctypes
-import errno
 import logging
 import os
 import threading
