@@ -25,25 +25,20 @@ def machine() -> str:
     line = (f"{platform.machine()} {os.cpu_count()} cores, jax {jax.__version__} on "
             f"{dev.platform} ({dev.device_kind})")
     if dev.platform == "cpu":  # which CPU, and whether the kernels multiply on AMX's tiles (cpu.amx)
-        from jaxllm.quantization import cpu
+        from jaxllm.kernels.cpu import build
         try:
             with open("/proc/cpuinfo") as f:
                 name = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
         except OSError:
             name = ""
-        line += f"; {name or 'CPU'}, AMX {'on' if cpu.amx() else 'off'}"
+        line += f"; {name or 'CPU'}, AMX {'on' if build.amx() else 'off'}"
     return line
 
 
-# environment settings that change what runs (not where caches live)
-RESULT_ENV = ("JAXLLM_CPU_KERNELS", "JAXLLM_INT4_ACTIVATIONS", "JAXLLM_QUANT_BACKEND")
-
-
 def command_line(args=None) -> str:
-    """The command as typed, after the settings of RESULT_ENV it ran with."""
+    """The command as typed."""
     argv = getattr(args, "argv", None)
-    env = [f"{k}={shlex.quote(os.environ[k])}" for k in RESULT_ENV if k in os.environ]
-    return " ".join(env + ["jaxllm"] + [shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])])
+    return " ".join(["jaxllm"] + [shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])])
 
 
 def write_result(args, result: dict, kind: str) -> str:

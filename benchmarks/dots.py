@@ -29,12 +29,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def forms():
     import jax
     import jax.numpy as jnp
-    from jaxllm.quantization import cpu
+    from jaxllm.kernels.cpu import build
+    from jaxllm.kernels.cpu.matmul import dense_bf16
     f32, bf16 = jnp.float32, jnp.bfloat16
     kernel = {}
-    if jax.default_backend() == "cpu" and cpu.available():
-        # what the CPU bf16 policy runs: the weights widened in registers (quantization/cpu)
-        kernel["bf16 weights, jaxllm CPU kernel"] = (cpu.dense_bf16, bf16)
+    if jax.default_backend() == "cpu" and build.available():
+        # what the CPU bf16 policy runs: the weights widened in registers (jaxllm.kernels.cpu)
+        kernel["bf16 weights, jaxllm CPU kernel"] = (dense_bf16, bf16)
     return {**kernel,
         # name: (fn(x, w), weight dtype)
         "f32": (lambda x, w: x @ w, f32),

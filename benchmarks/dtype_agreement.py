@@ -16,7 +16,8 @@ def prompt_logits(loaded, ids: list[int]) -> np.ndarray:
     import jax
     import jax.numpy as jnp
     from flax import nnx
-    from jaxllm.runner.model_runner import attention_metadata, kv_cache_shape, table_width
+    from jaxllm.runner.attention_metadata import attention_metadata
+    from jaxllm.runner.kv_cache import kv_cache_shape, table_width
 
     T, bs = len(ids), 16
     width = table_width(T, bs)
@@ -44,10 +45,12 @@ def main() -> None:
     from benchmarks import datasets
     from benchmarks.common import machine
     from jaxllm import LLM, SamplingParams
-    from jaxllm.layers.linear import resolve_policy
+    from jaxllm.kernels import matmul_backend
+    from jaxllm.layers.dtype_policy import resolve_policy
     from jaxllm.loader import load_model
 
-    policy = resolve_policy(args.dtype, jax.default_backend())
+    policy = resolve_policy(args.dtype, jax.default_backend(),
+                            matmul_backend(jax.default_backend(), 1))
     ref = load_model(args.model, "float32", load_tokenizer=False)
     other = load_model(args.model, policy, load_tokenizer=False)
     src = datasets.TokenSource(ref.arch.vocab_size, set(), 0)

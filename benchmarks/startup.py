@@ -74,13 +74,16 @@ def _child_start(cfg: dict) -> dict:
 
 def _child_load(cfg: dict) -> dict:
     import jax
-    from jaxllm.layers.linear import resolve_policy
+    from jaxllm.kernels import matmul_backend
+    from jaxllm.layers.dtype_policy import resolve_policy
     from jaxllm.loader import load_model
     from jaxllm.parallel import make_mesh
-    policy = resolve_policy(cfg["dtype"], jax.default_backend())
+    backend = matmul_backend(jax.default_backend(), cfg["tensor_parallel_size"])
+    policy = resolve_policy(cfg["dtype"], jax.default_backend(), backend)
     mesh = make_mesh(cfg["tensor_parallel_size"])  # starts the backend outside the timing
     t = time.perf_counter()
-    loaded = load_model(cfg["model"], policy, mesh=mesh, load_tokenizer=False)
+    loaded = load_model(cfg["model"], policy, mesh=mesh, load_tokenizer=False,
+                        matmul_backend=backend)
     jax.block_until_ready(loaded.state)
     secs = time.perf_counter() - t
     nbytes = sum(x.nbytes for x in jax.tree.leaves(loaded.state))

@@ -51,8 +51,23 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-gpu-blocks-override", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=None)
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
-    g.add_argument("--attention-backend", default=None, choices=["auto", "pallas", "xla"],
-                   help="paged attention: Pallas kernels (default on GPU) or the XLA path")
+    g.add_argument("--attention-backend", default=None, choices=["auto", "pallas", "cpu", "xla"],
+                   help="paged attention: the Pallas kernels (default on GPU), the CPU kernels "
+                        "(default on CPU) or XLA's ops")
+    g.add_argument("--matmul-backend", default=None,
+                   choices=["auto", "cpu", "xla", "pallas", "pallas_interpret"],
+                   help="where matmuls run (default auto: the CPU kernels on one CPU device, "
+                        "the Pallas kernel for group-quantized weights on one GPU, else XLA)")
+    g.add_argument("--cpu-kernels", action=argparse.BooleanOptionalAction, default=None,
+                   help="the C++ kernels for matmuls and attention on a CPU (default on)")
+    g.add_argument("--cpu-amx", action=argparse.BooleanOptionalAction, default=None,
+                   help="let the CPU kernels use AMX tiles where the CPU has them (default on)")
+    g.add_argument("--int4-activations", default=None, choices=["float", "int8"],
+                   help="4-bit weights in the CPU kernels: float activations (default, exact) "
+                        "or int8 per block of 32 (faster at few rows; batch-dependent)")
+    g.add_argument("--huge-pages", action=argparse.BooleanOptionalAction, default=None,
+                   help="transparent huge pages under a CPU engine's weights and KV cache "
+                        "(default on)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
     g.add_argument("--distributed-coordinator", default=None, help="host:port of process 0")
     g.add_argument("--num-processes", type=int, default=None)
@@ -81,7 +96,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="be ready once the shapes holding any step are compiled and compile the "
                         "rest while serving (default: on for serve, off otherwise)")
     g.add_argument("--compilation-cache-dir", default=None,
-                   help="persistent XLA compilation cache (default ~/.cache/jaxllm/xla)")
+                   help="persistent XLA compilation cache (default ~/.cache/jaxllm/xla, or "
+                        "$JAXLLM_COMPILATION_CACHE_DIR)")
+    g.add_argument("--executable-cache", action=argparse.BooleanOptionalAction, default=None,
+                   help="keep compiled step executables in the compilation cache directory "
+                        "(default on)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -180,7 +199,7 @@ def cmd_convert(args) -> int:
     kwargs["quantization"] = args.quantization
     kwargs["smoothquant_alpha"] = _smoothquant_alpha(args)
     config = EngineConfig(**kwargs)  # validates the values as the engine would
-    from jaxllm.loader.orbax import convert
+    from jaxllm.loader.convert import convert
     out = convert(config.model, args.output, dtype=config.dtype,
                   quantization=config.quantization, smoothquant_alpha=config.smoothquant_alpha,
                   tensor_parallel_size=config.tensor_parallel_size, load_format=config.load_format,

@@ -1,13 +1,17 @@
 """Engine configuration: plain dataclasses validated in __post_init__."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
+from jaxllm import envs
+from jaxllm.kernels import MATMUL_BACKENDS
+from jaxllm.quantization import validate_int4_activations, validate_method, validate_smoothquant
+from jaxllm.quantization.kv import validate_kv_dtype
 from jaxllm.spec_decode.config import SpeculativeConfig
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 LOAD_FORMATS = ("auto", "dummy")
+ATTENTION_BACKENDS = ("auto", "pallas", "cpu", "xla")
 
 
 def _positive(name: str, value) -> None:
@@ -39,7 +43,22 @@ class EngineConfig:
     # scheduler; None picks a default for the platform in resolve()
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
-    attention_backend: str = "auto"      # "pallas" (kernels; default on GPU) or "xla"
+    # paged attention: "pallas" (the Pallas kernels; auto on a GPU), "cpu" (the CPU kernels;
+    # auto on a CPU where cpu_kernels) or "xla" (XLA's ops)
+    attention_backend: str = "auto"
+    # where matmuls run: "auto" (the CPU kernels on one CPU device, the Pallas kernel for
+    # group-quantized weights on one GPU, XLA's dots elsewhere), or one of them forced:
+    # "cpu", "xla", "pallas", "pallas_interpret" (the Pallas kernel in its interpreter)
+    matmul_backend: str = "auto"
+    # the C++ kernels on a CPU (matmuls and attention); off: XLA's paths
+    cpu_kernels: bool = True
+    # the CPU kernels multiply on AMX's tiles where the CPU has them; off: AVX-512
+    cpu_amx: bool = True
+    # 4-bit weights in the CPU kernels: "float" activations (exact to the dequantized weights)
+    # or "int8" per block of 32 (faster at few rows; outputs then depend on the batch)
+    int4_activations: str = "float"
+    # transparent huge pages under a CPU engine's weights and KV cache
+    huge_pages: bool = True
     tensor_parallel_size: int = 1
     # multi-process (multi-host) runs: jax.distributed.initialize's coordinator and ranks
     distributed_coordinator: str | None = None
@@ -66,11 +85,10 @@ class EngineConfig:
     # "num_speculative_tokens": 4}; jaxllm.spec_decode.config.SpeculativeConfig
     speculative_config: SpeculativeConfig | dict | str | None = None
     # compilation
-    compilation_cache_dir: str | None = field(
-        default_factory=lambda: os.environ.get(
-            "JAXLLM_COMPILATION_CACHE_DIR", os.path.expanduser("~/.cache/jaxllm/xla")
-        )
-    )
+    compilation_cache_dir: str | None = field(default_factory=envs.compilation_cache_dir)
+    # keep compiled step executables under compilation_cache_dir (a second start skips
+    # tracing too); off: JAX's persistent cache only
+    executable_cache: bool = True
     warmup: bool = True
     # ready once the shapes that hold any step are compiled (StepShapes.essential); the rest
     # compile on a thread while steps pad to compiled shapes. Off by default: a step's padded
@@ -81,8 +99,6 @@ class EngineConfig:
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        from jaxllm.quantization import validate_method, validate_smoothquant
-        from jaxllm.quantization.kv import validate_kv_dtype
         validate_method(self.quantization)
         validate_smoothquant(self.smoothquant_alpha, self.quantization)
         validate_kv_dtype(self.kv_cache_dtype)
@@ -107,8 +123,20 @@ class EngineConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.attention_backend not in ("auto", "pallas", "xla"):
-            raise ValueError(f"attention_backend must be 'auto', 'pallas' or 'xla', got {self.attention_backend!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
+                             f"got {self.attention_backend!r}")
+        if self.matmul_backend not in MATMUL_BACKENDS:
+            raise ValueError(f"matmul_backend must be one of {MATMUL_BACKENDS}, "
+                             f"got {self.matmul_backend!r}")
+        validate_int4_activations(self.int4_activations)
+        for name in ("cpu_kernels", "cpu_amx", "huge_pages", "executable_cache",
+                     "enable_prefix_caching", "async_scheduling", "enable_lora", "warmup",
+                     "compile_in_background"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not self.cpu_kernels and "cpu" in (self.attention_backend, self.matmul_backend):
+            raise ValueError("attention_backend / matmul_backend 'cpu' need cpu_kernels=True")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.preemption_mode not in ("recompute", "swap"):

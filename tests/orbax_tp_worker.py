@@ -15,7 +15,8 @@ def main():
     import jax.numpy as jnp
     import numpy as np
     from jaxllm.loader import load_model
-    from jaxllm.loader.orbax import convert, flatten
+    from jaxllm.loader.convert import convert
+    from jaxllm.loader.orbax import flatten
     from jaxllm.parallel import make_mesh
 
     out = {}

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 import jax
 import jax.numpy as jnp
 
+from jaxllm.kernels.cpu import attention as cpu_attention
+from jaxllm.kernels.cpu import build
 from jaxllm.quantization import kv as kvq
 
 _NEG = -1e30
@@ -41,7 +43,7 @@ class AttentionMetadata:
     q_tile: int = field(metadata=dict(static=True), default=Q_TILE)  # tokens per tile
 
 
-def q_tile_size(num_tokens: int, backend: str = "xla", kv_group: int = 1) -> int:
+def q_tile_size(num_tokens: int, backend: str = "cpu", kv_group: int = 1) -> int:
     """Tokens per prefill tile: the Pallas kernel fixes it by the GQA group (128 query rows);
     the XLA path slices tiles out of the step, so they fit in it."""
     if backend == "pallas":
@@ -104,15 +106,14 @@ def _window_start(md, window) -> jax.Array:
 
 
 def cpu_kernels_apply(kv_cache, platform: str | None = None) -> bool:
-    """Whether both passes run in the CPU kernels (jaxllm.quantization.cpu), which read an
+    """Whether both passes can run in the CPU kernels (jaxllm.kernels.cpu), which read an
     f32, bf16-bits, int8 or fp8 cache in place; other platforms take XLA's."""
     dtype = (kv_cache.data if isinstance(kv_cache, kvq.QuantizedKV) else kv_cache).dtype
     if dtype not in (jnp.float32, kvq.BF16_BITS, jnp.int8, jnp.float8_e4m3fn, kvq.FP8_BITS):
         return False
     if (platform or jax.default_backend()) != "cpu":
         return False
-    from jaxllm.quantization import cpu
-    return cpu.available()
+    return build.available()
 
 
 def _decode_pass(qg, kv_cache, layer, md, window, soft_cap):
@@ -233,8 +234,7 @@ def paged_attention_xla(q: jax.Array, kv_cache: jax.Array, layer: jax.Array,
     if use_kernel is None:
         use_kernel = cpu_kernels_apply(kv_cache)
     if use_kernel:
-        from jaxllm.quantization import cpu
-        dec = cpu.decode_attention(qg[jnp.maximum(last, 0)], kv_cache, layer, md.block_tables,
+        dec = cpu_attention.decode_attention(qg[jnp.maximum(last, 0)], kv_cache, layer, md.block_tables,
                                    md.seq_lens, _window_start(md, sliding_window), md.block_size,
                                    soft_cap)
     else:
@@ -244,8 +244,7 @@ def paged_attention_xla(q: jax.Array, kv_cache: jax.Array, layer: jax.Array,
     out = jnp.zeros_like(qg).at[dst].set(dec, mode="drop")
     if use_kernel:
         def prefill(o):
-            from jaxllm.quantization import cpu
-            tiles = cpu.prefill_attention(qg, kv_cache, layer, md, sliding_window, soft_cap)
+            tiles = cpu_attention.prefill_attention(qg, kv_cache, layer, md, sliding_window, soft_cap)
             n = md.query_start_loc[1:] - md.query_start_loc[:-1]
             in_tile = (n[md.token_seq_ids] > 1) & (jnp.arange(T) < md.query_start_loc[-1])
             return jnp.where(in_tile[:, None, None, None], tiles, o)
@@ -256,16 +255,18 @@ def paged_attention_xla(q: jax.Array, kv_cache: jax.Array, layer: jax.Array,
     return out.reshape(T, H, D).astype(q.dtype)
 
 
-BACKENDS = ("xla", "pallas")
+# "cpu": the CPU kernels where the step runs on a CPU and they build, XLA's ops elsewhere;
+# "xla": XLA's ops; "pallas": the Pallas kernels (GPU)
+BACKENDS = ("cpu", "xla", "pallas")
 
 
 def paged_attention(q, kv_cache, layer, md, scale, sliding_window=None, soft_cap=None,
-                    backend="xla", platform=None):
+                    backend="cpu", platform=None):
     """platform: where the step runs (jaxllm.parallel.platform_of); off a GPU the Pallas
     kernels run in their interpreter (tests, CPU runs)."""
-    if backend == "xla":
+    if backend in ("cpu", "xla"):
         return paged_attention_xla(q, kv_cache, layer, md, scale, sliding_window, soft_cap,
-                                   cpu_kernels_apply(kv_cache, platform))
+                                   backend == "cpu" and cpu_kernels_apply(kv_cache, platform))
     if backend == "pallas":
         from pallas_kernels.ragged_paged_attention import ragged_paged_attention
         return ragged_paged_attention(q, kv_cache, layer, md, scale, sliding_window, soft_cap,
@@ -273,7 +274,7 @@ def paged_attention(q, kv_cache, layer, md, scale, sliding_window=None, soft_cap
     raise ValueError(f"unknown attention backend {backend!r}; choose from {BACKENDS}")
 
 
-def attention_block(q, k, v, kv_cache, layer, md, scale, sliding_window=None, backend="xla",
+def attention_block(q, k, v, kv_cache, layer, md, scale, sliding_window=None, backend="cpu",
                     mesh=None, soft_cap=None):
     """Write the step's K/V into the cache, then attend: (out [T, H, D], new cache). Under
     tensor parallelism both run per device on its heads (shard_map), with specs from the

@@ -16,7 +16,12 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from jaxllm.layers.linear import DTypePolicy, uniform_policy, uses_dense_kernel
+from jaxllm.kernels import matmul_backend as default_matmul_backend
+from jaxllm.kernels.cpu import build as cpu_build
+from jaxllm.kernels.cpu.panels import pack_state
+from jaxllm.layers.dtype_policy import DTypePolicy, uniform_policy, uses_dense_kernel
+from jaxllm.loader.abstract import abstract_model, param_name
+from jaxllm import envs
 from jaxllm.loader import orbax
 from jaxllm.loader.hf import StackedWeights
 from jaxllm.loader.safetensors_io import checkpoint_files, read_safetensors
@@ -24,7 +29,6 @@ from jaxllm.models import ArchConfig, get_model_class
 from jaxllm.models.base import param_dtypes
 from jaxllm.models.registry import arch_from_hf, model_class_for_gguf
 from jaxllm import quantization as qmethods
-from jaxllm.quantization import matmul_backend
 from jaxllm.quantization.formats import HostQuant
 
 logger = logging.getLogger(__name__)
@@ -74,8 +78,6 @@ def _gguf_file(path: str) -> str | None:
     return None
 
 
-TOKENIZER_CACHE = os.environ.get("JAXLLM_TOKENIZER_CACHE_DIR",
-                                 os.path.expanduser("~/.cache/jaxllm/tokenizers"))
 
 
 def _from_pretrained(path: str):
@@ -101,7 +103,7 @@ def _load_tokenizer(path: str, gguf_file: str | None):
     from jaxllm.loader.gguf_tokenizer import gguf_tokenizer
     st = os.stat(gguf_file)
     key = hashlib.sha256(f"{os.path.abspath(gguf_file)}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    cached = os.path.join(TOKENIZER_CACHE, key)
+    cached = os.path.join(envs.tokenizer_cache_dir(), key)
     if os.path.exists(os.path.join(cached, "tokenizer_config.json")):
         try:
             return _from_pretrained(cached)
@@ -241,71 +243,6 @@ def _quant_tp(weights: dict, cls, ckpt_arch, tp, quantized: list[str]) -> dict:
     return out
 
 
-def _param_name(path_keys) -> str:
-    keys = [str(getattr(k, "key", getattr(k, "name", k))) for k in path_keys]
-    if keys and keys[-1] == "value":
-        keys = keys[:-1]
-    return ".".join(keys)
-
-
-def panel_state(state, pack: bool, dense: bool = True, quant: qmethods.QuantSpec | None = None):
-    """A model state with its layer stacks packed as the CPU kernels' panels where they apply
-    (pack), or unpacked back: load_model packs once for the engine; a checkpoint is written
-    unpacked. Packed: float stacks (`layers.<name>`, bf16 [L, K, N]) and the bf16 head (the
-    LM head, or the embedding table where it is tied) when `dense`, and the codes of w8a8
-    stacks in the CPU kernels (`layers.<name>.q`, int8 [L, N, K]) by `quant`."""
-    from jaxllm.quantization import cpu
-    names = {_param_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]}
-    # the embedding table is the head too (a quantized head is lm_head.q, lm_head.scale, ...)
-    tied = not any(n == "lm_head" or n.startswith("lm_head.") for n in names)
-
-    def w8a8(prefix: str) -> bool:
-        layout = None if quant is None or quant.backend != "cpu" else quant.get(prefix)
-        return layout is not None and layout.act == "int8"
-
-    def head(name: str, x):
-        out_major = name == "embed_tokens"
-        if out_major and not tied:  # a table read only by row stays as it is
-            return x
-        if pack:
-            return (cpu.to_head_panels(x, out_major) if dense and cpu.head_panels_apply(x, out_major)
-                    else x)
-        return cpu.from_head_panels(x, out_major) if x.ndim == 4 and x.dtype == np.uint32 else x
-
-    def one(path, x):
-        name = _param_name(path).split(".")
-        if name in (["embed_tokens"], ["lm_head"]):
-            return head(name[0], x)
-        if name[0] != "layers" or len(name) not in (2, 3):
-            return x
-        if len(name) == 3:  # a quantized matrix's part
-            if name[2] != "q":
-                return x
-            if pack:
-                return cpu.to_i8_panels(x) if w8a8(".".join(name[:2])) and cpu.i8_panels_apply(x) else x
-            return cpu.from_i8_panels(x) if x.ndim == 4 and x.dtype == np.int32 else x
-        if pack:
-            return cpu.to_panels(x) if dense and cpu.panels_apply(x) else x
-        return cpu.from_panels(x) if x.ndim == 4 and x.dtype == np.uint32 else x
-    return jax.tree_util.tree_map_with_path(one, state)
-
-
-def abstract_model(arch: ArchConfig, policy: DTypePolicy, attention_backend: str, mesh,
-                   quant: qmethods.QuantSpec | None = None):
-    """The model's graph, the shapes of its parameters (no memory) and their shardings on
-    `mesh`; arch is the runtime architecture (after tensor-parallel padding)."""
-    from jaxllm.parallel import sharding
-    cls = get_model_class(arch.architecture)
-    specs = qmethods.quantized_specs(cls.param_specs(arch), quant)
-    abstract = nnx.eval_shape(lambda: cls(arch, policy, rngs=nnx.Rngs(0),
-                                          attention_backend=attention_backend, mesh=mesh,
-                                          quant=quant))
-    graphdef, abstract_state = nnx.split(abstract)
-    shardings = jax.tree_util.tree_map_with_path(
-        lambda p, leaf: sharding(mesh, *specs[_param_name(p)].axes), abstract_state)
-    return graphdef, abstract_state, shardings
-
-
 def _check_shardable(specs: dict, mesh) -> None:
     """Every sharded axis divides over the mesh (a quantized matrix split along its input
     needs whole groups on each device)."""
@@ -324,29 +261,34 @@ def _float_model(cls, arch: ArchConfig, weights: dict, policy: DTypePolicy):
     """(graphdef, state) of the float model holding host `weights` (checkpoint shapes) on the
     first device: what SmoothQuant calibrates with."""
     from jaxllm.parallel import make_mesh
-    graphdef, abstract_state, _ = abstract_model(arch, policy, "xla", make_mesh(1))
+    graphdef, abstract_state, _ = abstract_model(arch, policy, "cpu", make_mesh(1))
     state = jax.tree_util.tree_map_with_path(
-        lambda p, leaf: jax.numpy.asarray(weights[_param_name(p)], leaf.dtype), abstract_state)
+        lambda p, leaf: jax.numpy.asarray(weights[param_name(p)], leaf.dtype), abstract_state)
     return graphdef, state
 
 
 def load_model(model: str | None, policy, load_format: str = "auto", seed: int = 0,
-               tokenizer: str | None = None, attention_backend: str = "xla",
+               tokenizer: str | None = None, attention_backend: str = "cpu",
                load_tokenizer: bool = True, mesh=None, quantization: str | None = None,
-               smoothquant_alpha: float | None = None) -> LoadedModel:
+               smoothquant_alpha: float | None = None, matmul_backend: str | None = None,
+               int4_activations: str = "float") -> LoadedModel:
     """Read a checkpoint (or make random weights with load_format="dummy") straight into the
     shards of `mesh` (default: a mesh of the first device). With tensor parallelism the
     model's shapes are padded / repeated per jaxllm.parallel.plan; each device receives only
     its slice of every tensor. `policy` is a DTypePolicy (or one dtype for everything);
     `quantization` a method of jaxllm.quantization (None: as the checkpoint ships);
     `smoothquant_alpha` adds SmoothQuant to w8a8, calibrated on the float weights here
-    (jaxllm.quantization.smoothquant; random weights get unit vectors)."""
+    (jaxllm.quantization.smoothquant; random weights get unit vectors). `matmul_backend`:
+    where matmuls run (jaxllm.kernels.matmul_backend; None: the mesh's default);
+    `int4_activations`: QuantSpec.int4_activations."""
     from jaxllm.parallel import make_mesh, plan, platform_of, runtime_arch
 
     if not isinstance(policy, DTypePolicy):
         policy = uniform_policy(policy)
     qmethods.validate_method(quantization)
     mesh = mesh if mesh is not None else make_mesh(1)
+    if matmul_backend is None:
+        matmul_backend = default_matmul_backend(platform_of(mesh), mesh.size)
     path = resolve_model_path(model)
     dummy = load_format == "dummy"
     is_orbax = orbax.is_orbax_checkpoint(path)
@@ -367,21 +309,20 @@ def load_model(model: str | None, policy, load_format: str = "auto", seed: int =
         meta = orbax.read_metadata(path)
         orbax.check_compatible(meta, path, mesh.size, quantization, smoothquant_alpha)
         smoothquant = meta.get("smoothquant")
-        quant = orbax.quant_spec(meta, matmul_backend(mesh))
+        quant = orbax.quant_spec(meta, matmul_backend, int4_activations)
         if quant is not None and quant.backend == "cpu":
-            from jaxllm.quantization import cpu
-            cpu.prepare_async()  # the kernels build while the weights load
+            cpu_build.prepare_async()  # the kernels build while the weights load
         if dummy:
             arch = ArchConfig(**meta["architecture"])
         else:
-            arch, graphdef, state, meta = orbax.restore(path, policy, attention_backend, mesh, quant)
+            arch, graphdef, state, meta = orbax.restore(path, policy, attention_backend, mesh, quant,
+                                                        matmul_backend=matmul_backend)
         # converted from a bare config.json: token-id prompts only, as with load_format="dummy"
         tokenless = not meta.get("tokenizer", True)
         cls = get_model_class(arch.architecture)
     else:
-        if platform_of(mesh) == "cpu" and quantization not in (None, "none"):
-            from jaxllm.quantization import cpu
-            cpu.prepare_async()  # the kernels build while the weights load
+        if matmul_backend == "cpu" and quantization not in (None, "none"):
+            cpu_build.prepare_async()  # the kernels build while the weights load
         read = _read_weights(path, gguf_file, dummy, policy, quantization)
         method = resolve_method(quantization, read.method, path)
         qmethods.validate_smoothquant(smoothquant_alpha, method)
@@ -425,15 +366,18 @@ def load_model(model: str | None, policy, load_format: str = "auto", seed: int =
             layouts = {k: replace(lay, scale_dtype=weights[k].scale.dtype.name) for k, lay in layouts.items()}
         quant = None
         if layouts:
-            quant = qmethods.QuantSpec(method, tuple(sorted(layouts.items())), matmul_backend(mesh))
+            quant = qmethods.QuantSpec(method, tuple(sorted(layouts.items())), matmul_backend,
+                                       int4_activations)
             _check_shardable(qmethods.quantized_specs(cls.param_specs(arch), quant), mesh)
     if dummy or weights is not None:
-        graphdef, abstract_state, shardings = abstract_model(arch, policy, attention_backend, mesh, quant)
+        graphdef, abstract_state, shardings = abstract_model(arch, policy, attention_backend, mesh, quant,
+                                                             matmul_backend)
     if dummy:
         # random weights of real shapes, each device making only its own shards
         def init():
             return nnx.split(cls(arch, policy, rngs=nnx.Rngs(seed),
-                                 attention_backend=attention_backend, mesh=mesh, quant=quant))[1]
+                                 attention_backend=attention_backend, mesh=mesh, quant=quant,
+                                 matmul_backend=matmul_backend))[1]
         state = jax.jit(init, out_shardings=shardings)()
     elif weights is not None:
         weights = _quant_tp(weights, cls, ckpt_arch, tp, list(layouts))
@@ -447,7 +391,7 @@ def load_model(model: str | None, policy, load_format: str = "auto", seed: int =
             return getattr(weights[base], part)
 
         def fill(path_keys, leaf, shard):
-            w = array(_param_name(path_keys))
+            w = array(param_name(path_keys))
             return jax.make_array_from_callback(w.shape, shard, lambda idx: np.asarray(w[idx], leaf.dtype))
 
         state = jax.tree_util.tree_map_with_path(fill, abstract_state, shardings)
@@ -465,7 +409,7 @@ def load_model(model: str | None, policy, load_format: str = "auto", seed: int =
         eos = eos[0] if eos else None
     if eos is None and tok is not None:
         eos = tok.eos_token_id
-    state = panel_state(state, pack=True, dense=uses_dense_kernel(policy, mesh), quant=quant)
+    state = pack_state(state, pack=True, dense=uses_dense_kernel(policy, matmul_backend), quant=quant)
     logger.info("loaded %s (%d layers) from %s; dtype policy %s; weights %.1f MiB%s", arch.architecture,
                 arch.num_layers, path, policy.describe(), qmethods.weight_bytes(state) / 2**20,
                 "" if quant is None else f" ({describe_quant(quant)})")

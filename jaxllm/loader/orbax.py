@@ -23,6 +23,9 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
+from jaxllm import quantization as qmethods
+from jaxllm.kernels.cpu.panels import pack_state
+from jaxllm.loader.abstract import abstract_model
 from jaxllm.models import ArchConfig
 
 logger = logging.getLogger(__name__)
@@ -141,10 +144,10 @@ def check_compatible(meta: dict, path: str, tensor_parallel_size: int,
             f"is made when converting). Leave smoothquant_alpha unset, or convert again: {again}")
 
 
-def quant_spec(meta: dict, backend: str):
+def quant_spec(meta: dict, backend: str, int4_activations: str = "float"):
     """The QuantSpec of a checkpoint's quantized matrices (None: float weights), with the
-    matmul backend of the mesh it is restored onto (not a property of the stored layout)."""
-    from jaxllm import quantization as qmethods
+    matmul backend of the mesh it is restored onto and the engine's int4 activations (not
+    properties of the stored layout)."""
     layouts = meta.get("quant_layouts")
     if not meta.get("quantization"):
         return None
@@ -157,7 +160,7 @@ def quant_spec(meta: dict, backend: str):
     except TypeError as e:
         raise ValueError(f"unreadable quant_layouts in {METADATA_FILE}: {e}; convert it again: "
                          f"{convert_command(meta, 'OUT')}") from e
-    return qmethods.QuantSpec(meta["quantization"], parsed, backend)
+    return qmethods.QuantSpec(meta["quantization"], parsed, backend, int4_activations)
 
 
 def _check_params(meta: dict, path: str, names: list[str], abstract: list) -> None:
@@ -190,19 +193,20 @@ def _root_cause(e: BaseException) -> str:
     return f"{type(e).__name__}: {str(e)[:300]}"
 
 
-def restore(path: str, policy, attention_backend: str, mesh, quant=None, progress: bool = True):
+def restore(path: str, policy, attention_backend: str, mesh, quant=None, progress: bool = True,
+            matmul_backend: str | None = None):
     """(runtime architecture, graphdef, state, metadata) of an Orbax checkpoint, restored into
     the shardings of `mesh`: each device reads its own shards. `quant` is quant_spec(meta)."""
     import orbax.checkpoint as ocp
 
-    from jaxllm.loader.loader import abstract_model
     meta = read_metadata(path)
     check_compatible(meta, path, mesh.size)
     try:
         arch = ArchConfig(**meta["architecture"])
     except TypeError as e:
         raise ValueError(f"{path}: unreadable architecture in {METADATA_FILE}: {e}") from e
-    graphdef, abstract_state, shardings = abstract_model(arch, policy, attention_backend, mesh, quant)
+    graphdef, abstract_state, shardings = abstract_model(arch, policy, attention_backend, mesh, quant,
+                                                         matmul_backend)
     names, abstract, treedef = flatten(abstract_state)
     _check_params(meta, path, names, abstract)
     targets = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
@@ -244,10 +248,9 @@ def save(loaded, out: str, *, dtype: str, source: str, load_format: str = "auto"
     out = os.path.abspath(out)
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise ValueError(f"output directory {out} already exists and is not empty")
-    from jaxllm.loader.loader import panel_state
     # a CPU engine's bf16 layer stacks and w8a8 codes are packed for its kernels: the
     # checkpoint holds them as any other engine reads them
-    names, leaves, _ = flatten(panel_state(loaded.state, pack=False))
+    names, leaves, _ = flatten(pack_state(loaded.state, pack=False))
     start = time.perf_counter()
     os.makedirs(out, exist_ok=True)
     # uncompressed: weights shrink little under zstd and decompressing slows every start
@@ -286,23 +289,3 @@ def save(loaded, out: str, *, dtype: str, source: str, load_format: str = "auto"
     logger.info("wrote %d arrays (%.2f GiB) to %s in %.2f s", len(leaves), nbytes / 2**30, out,
                 time.perf_counter() - start)
     return out
-
-
-def convert(model: str | None, out: str, dtype: str = "auto", quantization: str | None = None,
-            tensor_parallel_size: int = 1, load_format: str = "auto", tokenizer: str | None = None,
-            seed: int = 0, smoothquant_alpha: float | None = None) -> str:
-    """Load `model` as the engine would with these settings and write it to `out`. The
-    devices JAX sees must number at least tensor_parallel_size (the CLI gives itself that many
-    CPU devices)."""
-    from jaxllm.layers.linear import resolve_policy
-    from jaxllm.loader.loader import load_model, resolve_model_path
-    from jaxllm.parallel import make_mesh
-
-    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
-        raise ValueError(f"output directory {out} already exists and is not empty")
-    policy = resolve_policy(dtype, jax.default_backend(), tensor_parallel_size)  # as the engine's
-    source = os.path.abspath(resolve_model_path(model))
-    loaded = load_model(source, policy, load_format, seed, tokenizer, mesh=make_mesh(tensor_parallel_size),
-                        quantization=quantization, smoothquant_alpha=smoothquant_alpha)
-    name = dtype if dtype != "auto" else np.dtype(policy.weight).name
-    return save(loaded, out, dtype=name, source=source, load_format=load_format)

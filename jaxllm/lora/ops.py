@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 import jax
 import jax.numpy as jnp
 
-from jaxllm.layers.linear import DTypePolicy, linear
+from jaxllm.layers.dtype_policy import DTypePolicy
+from jaxllm.layers.linear import linear
 
 
 def lora_delta(x: jax.Array, A: jax.Array, Bs, onehot: jax.Array, tp: int,

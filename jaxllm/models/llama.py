@@ -17,11 +17,15 @@ import numpy as np
 from flax import nnx
 
 from jaxllm.layers.attention import AttentionMetadata, attention_block
-from jaxllm.layers.linear import DenseWeight, DTypePolicy, linear, uniform_policy, uses_dense_kernel
+from jaxllm.kernels import matmul_backend as default_matmul_backend
+from jaxllm.kernels.cpu.panels import DenseWeight, dense_weight, embed_from_panels, is_bf16_panels
+from jaxllm.layers.dtype_policy import DTypePolicy, uniform_policy, uses_dense_kernel
+from jaxllm.layers.linear import linear
 from jaxllm.layers.norm import rms_norm
 from jaxllm.layers.rotary import apply_rope, rope_inv_freq, rope_mscale
 from jaxllm.models.arch import ArchConfig
-from jaxllm.models.base import ParamSpec, Target, WeightMap
+from jaxllm.models.base import Target, WeightMap
+from jaxllm.params import ParamSpec
 from jaxllm.parallel import platform_of
 from jaxllm.quantization import QuantSpec, out_in, quantized_specs
 from jaxllm.quantization.qweight import QWeight, embed_rows
@@ -97,11 +101,6 @@ def split_device_major(y: jax.Array, sizes: list[int], tp: int) -> list[jax.Arra
         out.append(part.reshape(*part.shape[:-2], n))
         start += n // tp
     return out
-
-
-def _head_panels(w) -> bool:
-    """A head kept as the CPU kernels' panels (loader.panel_state): uint32 [1, V/48, E/2, 48]."""
-    return w.ndim == 4 and w.dtype == jnp.uint32
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -201,7 +200,9 @@ class LlamaForCausalLM(nnx.Module):
 
     def __init__(self, cfg: ArchConfig, policy: DTypePolicy | None = None, *, rngs: nnx.Rngs,
                  attention_backend: str = "xla", mesh=None, scan_layers: bool | None = None,
-                 quant: QuantSpec | None = None):
+                 quant: QuantSpec | None = None, matmul_backend: str | None = None):
+        """matmul_backend: where matmuls run (jaxllm.kernels.matmul_backend; None: the default
+        for `mesh`)."""
         self.cfg = cfg
         self.policy = policy = policy or uniform_policy(jnp.float32)
         self.attention_backend = attention_backend
@@ -211,7 +212,9 @@ class LlamaForCausalLM(nnx.Module):
         self.scan_layers = scan_layers
         self.quant = quant
         # bf16 float matrices on a CPU go through the kernel that widens them in registers
-        self.dense_kernel = uses_dense_kernel(policy, mesh)
+        if matmul_backend is None:
+            matmul_backend = default_matmul_backend(platform_of(mesh), 1 if mesh is None else mesh.size)
+        self.dense_kernel = uses_dense_kernel(policy, matmul_backend)
         specs = self.param_specs(cfg)
         full = quantized_specs(specs, quant)
 
@@ -235,10 +238,8 @@ class LlamaForCausalLM(nnx.Module):
         head = self.lm_head if self.lm_head is not None else self.embed_tokens
         if isinstance(head, QParam):  # quantized matrices are out-major: the table itself
             head = head.weight()
-        elif self.dense_kernel and _head_panels(head[...]):
-            head = DenseWeight(head[...], panels=True)
         elif self.dense_kernel:
-            head = DenseWeight(head[...], out_major=self.lm_head is None)
+            head = dense_weight(head[...], out_major=self.lm_head is None)
         elif self.lm_head is None:
             head = head[...].T
         else:
@@ -264,9 +265,8 @@ class LlamaForCausalLM(nnx.Module):
         real = md.query_start_loc[-1]  # tokens before the bucket's padding: linear skips the rest
         if isinstance(self.embed_tokens, QParam):
             x = embed_rows(self.embed_tokens.weight(), input_ids, pol.activation)
-        elif _head_panels(self.embed_tokens[...]):  # a tied table kept as the head's panels
-            from jaxllm.quantization import cpu
-            x = cpu.embed_from_panels(self.embed_tokens[...], input_ids).astype(pol.activation)
+        elif is_bf16_panels(self.embed_tokens[...]):  # a tied table kept as the head's panels
+            x = embed_from_panels(self.embed_tokens[...], input_ids).astype(pol.activation)
         else:
             x = self.embed_tokens[...][input_ids].astype(pol.activation)
 
@@ -296,10 +296,9 @@ class LlamaForCausalLM(nnx.Module):
 
         weights = self.layers.weights()
         if self.dense_kernel:
-            # layer stacks are [L, K, N] bf16, or panels packed at load (uint32, 4-d)
+            # layer stacks are [L, K, N] bf16, or panels packed at load
             weights = {k: w if isinstance(w, QWeight) else
-                       DenseWeight(w, panels=True) if w.ndim == 4 and w.dtype == jnp.uint32 else
-                       DenseWeight(w) if w.ndim == 3 else w
+                       dense_weight(w) if w.ndim == 3 or is_bf16_panels(w) else w
                        for k, w in weights.items()}
         # quantized (and kernel-read) stacks are read in place at the layer's index
         kinds = (QWeight, DenseWeight)

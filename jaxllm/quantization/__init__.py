@@ -19,11 +19,14 @@ the most sensitive to activation quantization. Layouts are in formats.py.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
+from jaxllm.params import ParamSpec
+from jaxllm.quantization import formats as F
 from jaxllm.quantization.formats import HostQuant
 
 ONLINE_METHODS = ("int8", "int4", "w8a8", "fp8")
@@ -71,6 +74,10 @@ class QuantSpec:
     method: str
     layouts: tuple[tuple[str, QuantLayout], ...]
     backend: str = "xla"  # "cpu": the C++ kernels; "xla": dequantizing dots (GPU, reference)
+    # EngineConfig.int4_activations: "float", or "int8" (4-bit weights in the CPU kernels
+    # multiply activations rounded to int8 per block of 32, as llama.cpp runs them: faster at
+    # few rows, but the rounding makes outputs depend on how requests were batched)
+    int4_activations: str = "float"
 
     def get(self, name: str) -> QuantLayout | None:
         return dict(self.layouts).get(name)
@@ -82,23 +89,19 @@ class QuantSpec:
         """How a matrix's activations are quantized as it runs: its layout's, except that
         4-bit weights in the CPU kernels may take int8 activations per block of 32, as
         llama.cpp runs them (int4_activations)."""
-        layout, setting = self.get(name), int4_activations()  # a bad setting fails everywhere
+        layout = self.get(name)
         if (layout.act == "none" and layout.kind == "int4" and self.backend == "cpu"
-                and setting == "int8" and layout.group % 32 == 0 and in_features % 64 == 0):
+                and self.int4_activations == "int8" and layout.group % 32 == 0 and in_features % 64 == 0):
             return "int8_block"
         return layout.act
 
 
-def int4_activations() -> str:
-    """JAXLLM_INT4_ACTIVATIONS: "float" (the default: f32 activations, exact to the
-    dequantized weights) or "int8" (4-bit weights in the CPU kernels multiply activations
-    rounded to int8 per block of 32, with VNNI: faster at few rows, but a rounding step
-    turns float noise into a different int8, so outputs then depend on how requests were
-    batched, and greedy speculative decoding is no longer token-for-token exact)."""
-    v = os.environ.get("JAXLLM_INT4_ACTIVATIONS", "float")
-    if v not in ("int8", "float"):
-        raise ValueError(f"JAXLLM_INT4_ACTIVATIONS must be int8 or float, got {v!r}")
-    return v
+INT4_ACTIVATIONS = ("float", "int8")
+
+
+def validate_int4_activations(value: str) -> None:
+    if value not in INT4_ACTIVATIONS:
+        raise ValueError(f"int4_activations must be one of {INT4_ACTIVATIONS}, got {value!r}")
 
 
 def layout_of(h: HostQuant, act: str = "none", smooth: bool = False) -> QuantLayout:
@@ -114,9 +117,6 @@ def out_in(spec_shape: tuple[int, ...], matrix: str) -> tuple[int, int]:
 def part_specs(name: str, spec, layout: QuantLayout) -> dict:
     """The parameters one quantized matrix becomes: name.q, name.scale (.offset, .smooth),
     each with the float parameter's logical axes in out-major order."""
-    import jax.numpy as jnp
-
-    from jaxllm.models.base import ParamSpec
     lead, lead_axes = spec.shape[:-2], spec.axes[:-2]
     N, K = out_in(spec.shape, spec.matrix)
     ax_out, ax_in = (spec.axes[-1], spec.axes[-2]) if spec.matrix == "in_out" else spec.axes[-2:]
@@ -165,8 +165,7 @@ def online_layout(method: str, name: str, spec, smooth: bool = False) -> QuantLa
     if method == "int8":
         return QuantLayout("int8", K, scale_dtype="float16")
     if method == "int4":
-        from jaxllm.quantization.formats import int4_group
-        return QuantLayout("int4", int4_group(K, INT4_GROUP), offset=True, scale_dtype="float16")
+        return QuantLayout("int4", F.int4_group(K, INT4_GROUP), offset=True, scale_dtype="float16")
     # w8a8 and fp8 leave the head (and a tied embedding) float, as vLLM's W8A8 and FP8
     # checkpoints do: logits are the most sensitive to activation quantization
     if method == "w8a8":
@@ -178,7 +177,6 @@ def online_layout(method: str, name: str, spec, smooth: bool = False) -> QuantLa
 
 def quantize_host(w: np.ndarray, layout: QuantLayout) -> HostQuant:
     """A float matrix (stack) [.., N, K] -> our layout."""
-    from jaxllm.quantization import formats as F
     if layout.kind == "int8":
         return F.quantize_int8(w, None if layout.group == w.shape[-1] else layout.group)
     if layout.kind == "int4":
@@ -225,25 +223,4 @@ def stack(parts: list[HostQuant]) -> HostQuant:
 
 def weight_bytes(state) -> int:
     """Bytes of every parameter array (what the weights occupy on the device)."""
-    import jax
     return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(state))
-
-
-def matmul_backend(mesh) -> str:
-    """Where quantized matmuls (and on a CPU, bf16 float ones) run: the CPU kernels on a
-    one-device CPU mesh (None: JAX's default device) when they build, the Pallas kernel for
-    group-quantized weights on one GPU; XLA's dots elsewhere (a custom call cannot be split
-    by XLA's sharding). JAXLLM_QUANT_BACKEND overrides it (tests)."""
-    from jaxllm.parallel import platform_of
-    forced = os.environ.get("JAXLLM_QUANT_BACKEND")
-    if forced:
-        return forced
-    platform = platform_of(mesh)
-    one = mesh is None or mesh.size == 1
-    if platform == "cpu" and one and os.environ.get("JAXLLM_CPU_KERNELS", "1") != "0":
-        from jaxllm.quantization import cpu
-        if cpu.available():
-            return "cpu"
-    if platform == "gpu" and one:
-        return "pallas"
-    return "xla"

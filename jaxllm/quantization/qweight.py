@@ -1,4 +1,5 @@
-"""A quantized weight on the device and the matmuls that read it.
+"""A quantized weight on the device and its reference matmuls (layers/linear.py picks which
+matmul reads it).
 
 `QWeight` holds one projection's arrays in our out-major layouts (formats.py) and, for the
 layers' stacked weights, the index of the layer to use. The layer index travels with the
@@ -10,7 +11,7 @@ Two implementations:
   matmul's operand load); for `w8a8` int8 x int8 -> int32, for `fp8` e4m3 x e4m3 -> f32, the
   activations quantized per token at run time. It is the reference every path is tested
   against.
-- `cpu`: the C++ kernels of jaxllm.quantization.cpu, which read the packed codes straight
+- `cpu`: the C++ kernels of jaxllm.kernels.cpu, which read the packed codes straight
   from the stack (XLA:CPU has no dot that dequantizes its operand on the fly: it writes the
   whole dequantized weight first, slower than the float weight it replaces).
 - `pallas`: on a GPU, group-quantized weights (int4, int8 in groups) go through the Pallas
@@ -43,7 +44,7 @@ class QWeight:
     @property
     def panels(self) -> bool:
         """w8a8 codes packed at load as the CPU kernels' panels (int32 [.., N/48, K/4 + 1, 48],
-        jaxllm.quantization.cpu.to_i8_panels)."""
+        jaxllm.kernels.cpu.panels.to_i8_panels)."""
         return self.q.dtype == jnp.int32
 
     @property
@@ -160,16 +161,3 @@ def matmul_pallas(x: jax.Array, w: QWeight, policy, interpret: bool) -> jax.Arra
     y = quantized_matmul(x.reshape(-1, K).astype(policy.dot), stack(w.q), stack(w.scale),
                          stack(w.offset), 0 if w.layer is None else w.layer, interpret=interpret)
     return y.reshape(*lead, w.out_features)
-
-
-def matmul(x: jax.Array, w: QWeight, policy, rows=None) -> jax.Array:
-    """rows: how many leading rows of x are real; the CPU kernels skip the others (zeros)."""
-    if w.backend == "cpu":
-        from jaxllm.quantization import cpu
-        if w.kind != "fp8" or cpu.fp8_apply(w):  # else XLA emulates the fp8 dot
-            return cpu.matmul(x, w, rows,
-                              bf16_activations=policy.round_to_bf16 and w.per_channel_int8)
-    grouped = w.kind == "int4" or (w.kind == "int8" and w.group < w.in_features)
-    if w.backend.startswith("pallas") and grouped and w.act == "none" and w.smooth is None:
-        return matmul_pallas(x, w, policy, interpret=w.backend == "pallas_interpret")
-    return matmul_xla(x, w, policy)

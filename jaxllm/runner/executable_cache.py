@@ -7,14 +7,15 @@ key made of everything the trace depends on:
 
 - the code: every source file of the jaxllm package, and the versions of jax, jaxlib and flax;
 - the platform: backend, its version, the devices, the process count;
-- the settings that change a trace: JAX's tracing flags and the JAXLLM_/JAX_/XLA_ variables;
+- the settings that change a trace: JAX's tracing flags and the JAX_/XLA_ variables (jaxllm's
+  own settings reach a trace through the model's static attributes, below);
 - the function: its qualified name and, recursively, the values its closure holds (a model's
   graph definition with its static attributes, sizes, shardings, nested functions);
 - the call: each argument's tree structure, shape, dtype and sharding, and the compiler options.
 
 Whatever cannot be described deterministically (a repr with an object address) makes the call
 uncachable: it compiles as before. A bad or unreadable entry is removed and compiled again.
-`JAXLLM_EXECUTABLE_CACHE=0` turns the cache off.
+`EngineConfig.executable_cache=False` turns the cache off.
 """
 
 from __future__ import annotations
@@ -35,11 +36,13 @@ from collections.abc import Mapping
 import jax
 import numpy as np
 
+from jaxllm.kernels.cpu import build as cpu_build
+
 logger = logging.getLogger("jaxllm")
 
-ENV_PREFIXES = ("JAXLLM_", "JAX_", "XLA_")
+ENV_PREFIXES = ("JAX_", "XLA_")
 # variables that name where things are kept, not what is computed
-ENV_IGNORED = {"JAXLLM_COMPILATION_CACHE_DIR", "JAXLLM_TOKENIZER_CACHE_DIR", "JAX_COMPILATION_CACHE_DIR"}
+ENV_IGNORED = {"JAX_COMPILATION_CACHE_DIR"}
 ADDRESS = re.compile(r"0x[0-9a-fA-F]{6,}")
 FORMAT = 1  # bump when what an entry holds changes
 
@@ -61,12 +64,9 @@ jax.monitoring.register_event_listener(_on_event)
 
 
 def configure(cache_dir: str | None) -> None:
-    """Keep executables under cache_dir/executables (None or JAXLLM_EXECUTABLE_CACHE=0: off)."""
+    """Keep executables under cache_dir/executables (None: off)."""
     global _directory
-    off = os.environ.get("JAXLLM_EXECUTABLE_CACHE", "1")
-    if off not in ("0", "1"):
-        raise ValueError(f"JAXLLM_EXECUTABLE_CACHE must be 0 or 1, not {off!r}")
-    _directory = os.path.join(cache_dir, "executables") if cache_dir and off == "1" else None
+    _directory = os.path.join(cache_dir, "executables") if cache_dir else None
 
 
 def enabled() -> bool:
@@ -130,8 +130,7 @@ def environment() -> str:
                  if k.startswith(ENV_PREFIXES) and k not in ENV_IGNORED)
     machine = ""
     if backend.platform == "cpu":  # kernels built for this CPU's instructions
-        from jaxllm.quantization.cpu import _cpu_signature
-        machine = _cpu_signature()
+        machine = cpu_build.cpu_signature()
     return repr((FORMAT, code_fingerprint(), backend.platform, backend.platform_version, machine,
                  [(d.id, d.device_kind, d.process_index) for d in devices],
                  jax.process_count(), flags, settings, env))

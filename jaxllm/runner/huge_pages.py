@@ -5,13 +5,12 @@ that is a TLB miss per page. Linux gives anonymous memory huge pages only where 
 THP mode is `madvise` (a common default). XLA:CPU allocates through malloc, so the engine asks
 once the arrays exist: MADV_HUGEPAGE, then MADV_COLLAPSE (Linux 6.1+) to rebuild the pages
 already written as 2 MiB ones. The kernel does that on live memory (as its khugepaged does),
-so it runs on a thread while the engine serves. JAXLLM_HUGE_PAGES=0 turns it off.
+so it runs on a thread while the engine serves. `EngineConfig.huge_pages=False` turns it off.
 """
 from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import threading
 
 import jax
@@ -58,7 +57,7 @@ def _ranges(arrays):
 
 
 def _enabled() -> bool:
-    return os.environ.get("JAXLLM_HUGE_PAGES", "1") != "0" and thp_mode() not in (None, "never")
+    return thp_mode() not in (None, "never")
 
 
 def _apply(ranges) -> tuple[int, int]:

@@ -1,4 +1,4 @@
-// Quantized matmuls for XLA:CPU, called through XLA's FFI (see __init__.py, which builds and
+// Quantized matmuls for XLA:CPU, called through XLA's FFI (see build.py, which builds and
 // registers this file). XLA:CPU has no dot that dequantizes its operand on the fly, so these
 // read the packed codes themselves:
 //
@@ -50,6 +50,9 @@
 namespace ffi = xla::ffi;
 
 namespace {
+
+// EngineConfig.cpu_amx, set through JaxllmSetAmx: whether the packed kernels may use AMX
+std::atomic<bool> g_amx_allowed{true};
 
 #if !defined(JAXLLM_AMX)
 bool amx_on() { return false; }
@@ -677,12 +680,11 @@ void w8a8_rows(const int8_t* w, const float* ws, const uint8_t* xu, const float*
 // sums: 16 times the products of an AVX-512 VNNI instruction. The packed panels below are
 // already in the tiles' order (a column's 4 k of int8, or 2 k of bf16, per 4 bytes), so a
 // panel of 48 columns is three B tiles. Linux hands a process the tile state only when asked;
-// where it refuses (a kernel before 5.16), or with JAXLLM_CPU_AMX=0, the AVX-512 loops run.
+// where it refuses (a kernel before 5.16), or with cpu_amx off, the AVX-512 loops run.
 bool amx_on() {
   static const bool granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
                                       18 /* XFEATURE_XTILEDATA */) == 0;
-  const char* env = std::getenv("JAXLLM_CPU_AMX");
-  return granted && !(env && env[0] == '0');
+  return granted && g_amx_allowed.load(std::memory_order_relaxed);
 }
 
 struct alignas(64) TileConfig {
@@ -2212,5 +2214,8 @@ extern "C" int JaxllmBf16PanelsBuilt() { return kBf16Packed ? 1 : 0; }
 extern "C" int JaxllmI8PanelsBuilt() { return kPackedKernel ? 1 : 0; }
 
 // whether the packed kernels run on AMX's tiles here and now (the CPU has them, Linux grants
-// them, JAXLLM_CPU_AMX is not 0): for the benchmarks' machine line and the tests
+// them, cpu_amx is on): for the benchmarks' machine line and the tests
 extern "C" int JaxllmAmx() { return amx_on() ? 1 : 0; }
+
+// EngineConfig.cpu_amx (jaxllm.kernels.cpu.build.set_amx)
+extern "C" void JaxllmSetAmx(int on) { g_amx_allowed.store(on != 0, std::memory_order_relaxed); }
