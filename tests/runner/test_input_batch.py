@@ -1,0 +1,130 @@
+"""The persistent batch: rows handed out lowest first and reused, sampling columns written
+from SamplingParams and reset on removal, append-only block tables, the serial that tells a
+row's holders apart, and multi-token bad words."""
+import pytest
+
+from jaxllm.core.block_pool import NULL_BLOCK
+from jaxllm.runner.input_batch import COLUMNS, InputBatch
+from jaxllm.sampling_params import SamplingParams
+
+
+def make_batch(rows: int = 4, max_len: int = 32, width: int = 8) -> InputBatch:
+    return InputBatch(rows, max_len, width)
+
+
+def add(batch, rid, tokens=(1, 2, 3), prompt=None, blocks=(5,), params=None, seed=0, **kw):
+    params = params or SamplingParams(max_tokens=4)
+    return batch.add(rid, list(tokens), len(tokens) if prompt is None else prompt, list(blocks),
+                     params, seed, **kw)
+
+
+def test_rows_are_handed_out_lowest_first_and_a_freed_row_is_reused_first():
+    batch = make_batch()
+    assert [add(batch, r) for r in "abc"] == [0, 1, 2]
+    assert len(batch) == 3
+    assert batch.remove("b") == 1
+    assert batch.remove("b") is None  # already gone
+    assert add(batch, "d") == 1  # the lowest free row, ahead of row 3
+    assert add(batch, "e") == 3
+    assert batch.row_of == {"a": 0, "c": 2, "d": 1, "e": 3}
+
+
+def test_a_full_batch_and_a_duplicate_request_are_refused():
+    batch = make_batch(rows=2)
+    add(batch, "a")
+    with pytest.raises(RuntimeError, match="already has a row"):
+        add(batch, "a")
+    add(batch, "b")
+    with pytest.raises(IndexError):
+        add(batch, "c")
+
+
+def test_tokens_and_counts_are_written_into_the_row():
+    batch = make_batch()
+    row = add(batch, "a", tokens=(7, 8, 9, 10), prompt=3)
+    assert batch.token_ids[row, :4].tolist() == [7, 8, 9, 10]
+    assert batch.num_tokens[row] == 4
+    assert batch.num_prompt_tokens[row] == 3
+
+
+def test_sampling_columns_come_from_the_params_and_reset_when_the_row_frees():
+    batch = make_batch()
+    params = SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1,
+                            repetition_penalty=1.2, frequency_penalty=0.3, presence_penalty=0.4,
+                            min_tokens=2, max_tokens=8, logit_bias={3: 1.0}, logprobs=2,
+                            prompt_logprobs=1)
+    row = add(batch, "a", params=params, seed=1234)
+    c = batch.cols
+    got = {name: c[name][row].item() for name in COLUMNS}
+    assert got == pytest.approx({
+        "temperature": 0.7, "top_k": 5, "top_p": 0.9, "min_p": 0.1, "seed": 1234,
+        "repetition_penalty": 1.2, "frequency_penalty": 0.3, "presence_penalty": 0.4,
+        "min_tokens": 2, "has_bias": True, "num_logprobs": 2, "num_prompt_logprobs": 1})
+    batch.remove("a")
+    assert {name: c[name][row].item() for name in COLUMNS} == {
+        name: fill for name, (_, fill) in COLUMNS.items()}
+
+
+def test_logprobs_are_computed_for_best_of_even_when_not_returned():
+    batch = make_batch()
+    plain = add(batch, "plain")
+    ranked = add(batch, "ranked", params=SamplingParams(n=1, best_of=3, temperature=1.0))
+    assert batch.cols["num_logprobs"][plain] == -1
+    assert batch.cols["num_logprobs"][ranked] == 0
+
+
+def test_block_tables_append_and_a_new_holder_starts_from_an_empty_table():
+    batch = make_batch(width=6)
+    row = add(batch, "a", blocks=(4, 9))
+    batch.append_blocks(row, [11])
+    batch.append_blocks(row, [])
+    assert batch.num_blocks[row] == 3
+    assert batch.block_table[row].tolist() == [4, 9, 11] + [NULL_BLOCK] * 3
+    batch.remove("a")
+    assert add(batch, "b", blocks=(2,)) == row
+    assert batch.block_table[row].tolist() == [2] + [NULL_BLOCK] * 5
+    assert batch.num_blocks[row] == 1
+
+
+def test_each_holder_of_a_row_gets_a_new_serial():
+    batch = make_batch()
+    row = add(batch, "a")
+    first = batch.serial[row]
+    batch.remove("a")
+    assert add(batch, "a") == row  # the same id, the same row, another request
+    assert batch.serial[row] > first
+
+
+def test_lora_ids_are_kept_per_row_and_cleared_on_removal():
+    batch = make_batch()
+    row = add(batch, "a", lora_id=3)
+    other = add(batch, "b")
+    assert batch.lora_id[row] == 3 and batch.lora_id[other] == 0
+    batch.remove("a")
+    assert batch.lora_id[row] == 0
+
+
+def test_only_multi_token_bad_words_are_kept():
+    batch = make_batch()
+    single = add(batch, "single", bad_word_ids=[[5]])
+    multi = add(batch, "multi", bad_word_ids=[[5], [6, 7]])
+    assert batch.bad_words[single] is None
+    assert batch.bad_words[multi] == [[6, 7]]
+    assert batch.rows_with_bad_words == {multi}
+    batch.remove("multi")
+    assert batch.rows_with_bad_words == set() and batch.bad_words[multi] is None
+
+
+def test_a_bad_word_is_banned_when_the_output_ends_with_its_other_tokens():
+    batch = make_batch()
+    row = add(batch, "a", tokens=(1, 2, 6), prompt=2, bad_word_ids=[[6, 7], [8, 6, 9], [3, 4]])
+    assert batch.banned_tokens(row) == [7]  # [8, 6] needs two output tokens
+    # the output grows as the runner writes sampled tokens into the row
+    batch.token_ids[row, 3] = 8
+    batch.token_ids[row, 4] = 6
+    batch.num_tokens[row] = 5
+    assert sorted(batch.banned_tokens(row)) == [7, 9]
+    # the prompt's tokens do not count: only the output
+    prompt_only = add(batch, "b", tokens=(6,), prompt=1, bad_word_ids=[[6, 7]])
+    assert batch.banned_tokens(prompt_only) == []
+    assert batch.banned_tokens(add(batch, "c")) == []
