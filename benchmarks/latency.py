@@ -39,8 +39,8 @@ class _Recorder:
     def __init__(self, runner):
         import jax
         self.runner, self.steps, self.batch = runner, [], 0
-        self._run, self._run_passes = runner._run_forward, runner._run_passes
-        self._sample = runner._run_sample
+        self._run, self._run_passes = runner.run_forward, runner.run_passes
+        self._sample = runner.run_sample
         # device idleness, seen from the host: a step launched while the device still runs
         # the previous executable (its outputs not ready) found the device busy, so no host
         # time before it was exposed; one launched after the previous finished found it idle
@@ -87,7 +87,7 @@ class _Recorder:
             out = self._sample(*a, **kw)
             self._last = [x for x in jax.tree.leaves(out) if isinstance(x, jax.Array)]
             return out
-        runner._run_forward, runner._run_passes, runner._run_sample = run, run_passes, sample
+        runner.run_forward, runner.run_passes, runner.run_sample = run, run_passes, sample
 
     def close(self) -> None:
         """Stop counting the collector's pauses (the callback holds the engine)."""
@@ -103,27 +103,10 @@ def device_step_seconds(runner, shape, inputs, steps: int, num=None) -> float:
     back, inputs already on the device, no host work in between. A multi-step call (`num`:
     its passes per row) is run whole and its time divided by its passes."""
     import jax
-    from jaxllm.runner.model_runner import bitmask_words, sampling_only
-    args = runner._put(inputs)
-    smd = sampling_only(args[-1])
+    from jaxllm.runner.replay import StepReplay
+    replay = StepReplay(runner, shape, inputs, num=num)
+    step, passes = replay.step, replay.passes
     kv, sampler = runner.kv_cache, runner.sampler_state
-    passes = 1
-    if num is not None:
-        call, passes = runner._compiled_passes[shape], int(num.max())
-        num = runner._put(num)
-
-        def step(kv, sampler):  # the call as the engine launches it
-            res, kv, sampler = call(runner.state, kv, sampler, *args[:3], smd, num)
-            return res, kv, sampler
-    else:
-        forward, sample = runner._compiled[shape], runner._compiled_sample[shape[1]]
-        mask = runner._put(np.full((shape[1], bitmask_words(runner.vocab)), -1, np.int32))
-
-        def step(kv, sampler):  # forward and sampling, as the engine launches them
-            logits, _, kv = forward(runner.state, kv, sampler, *args)
-            res, sampler = sample(logits, sampler, smd, mask, runner._no_mask)
-            return res, kv, sampler
-
     res, kv, sampler = step(kv, sampler)  # once more, to settle
     jax.block_until_ready(res)
     blocks = []

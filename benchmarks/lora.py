@@ -92,18 +92,8 @@ def replay(runner, shape, inputs, token_slots, steps: int, blocks: int = 3) -> d
     this process's CPU time (all threads; what a busy shared machine disturbs least), the
     best of `blocks`."""
     import jax
-    from jaxllm.runner.model_runner import bitmask_words, sampling_only
-    forward, sample = runner._compiled[shape], runner._compiled_sample[runner.sample_key(*shape)]
-    args = runner._put(inputs)
-    smd = sampling_only(args[-1])
-    mask = runner._put(np.full((shape[1], bitmask_words(runner.vocab)), -1, np.int32))
-    adapters = () if token_slots is None else ((runner.lora.weights, runner._put(token_slots)),)
-
-    def step(kv, sampler):
-        logits, _, kv = forward(runner.state, kv, sampler, *args, *adapters)
-        res, sampler = sample(logits, sampler, smd, mask, runner._no_mask)
-        return res, kv, sampler
-
+    from jaxllm.runner.replay import StepReplay
+    step = StepReplay(runner, shape, inputs, token_slots).step
     res, kv, sampler = step(runner.kv_cache, runner.sampler_state)
     jax.block_until_ready(res)
     wall, cpu = [], []
@@ -125,7 +115,7 @@ def decode_step(llm, prompts, loras, replay_steps: int, spreads=()) -> dict:
     engine = llm.llm_engine
     runner = engine.runner
     recorded = []
-    run = runner._run_forward
+    run = runner.run_forward
 
     def record(shape, inputs, token_slots=None, *a, **kw):
         md = inputs[1]
@@ -140,12 +130,12 @@ def decode_step(llm, prompts, loras, replay_steps: int, spreads=()) -> dict:
         engine.add_request(f"step-{i}-{time.monotonic_ns()}", {"prompt_token_ids": p},
                            SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True),
                            lora_request=lr)
-    runner._run_forward = record
+    runner.run_forward = record
     try:
         while engine.has_unfinished_requests():
             engine.step()
     finally:
-        runner._run_forward = run
+        runner.run_forward = run
     shape, inputs, slots = recorded[len(recorded) // 2]
     out = {"shape": list(shape), "step": replay(runner, shape, inputs, slots, replay_steps)}
     md = inputs[1]

@@ -76,32 +76,13 @@ def split_step_cost(engine, recorded) -> dict:
     constraints, against the same computation as one jitted call: a recorded whole-batch
     decode step replayed both ways, in alternating blocks (the median block of each)."""
     import jax
-    from jaxllm.runner.model_runner import bitmask_words, sampling_only
+    from jaxllm.runner.replay import StepReplay
 
     runner = engine.runner
     shape, inputs, _ = recorded  # a single step: structured outputs run no multi-step calls
-    S = shape[1]
-    forward, sample = runner._compiled[shape], runner._compiled_sample[S]
-    args = runner._put(inputs)
-    smd = sampling_only(args[-1])
-    mask = runner._put(np.full((S, bitmask_words(runner.vocab)), -1, np.int32))
-
-    def one_call(state, kv, sampler, *a):
-        logits, _, kv = runner._forward(state, kv, sampler, *a)
-        res, sampler = runner._sample(logits, sampler, sampling_only(a[-1]), mask, runner._no_mask)
-        return res, kv, sampler
-
-    fused = jax.jit(one_call, donate_argnums=(1, 2)).lower(
-        runner.state, runner.kv_cache, runner.sampler_state, *args).compile()
+    replay = StepReplay(runner, shape, inputs)
+    split, joined = replay.step, replay.fused()
     kv, sampler = runner.kv_cache, runner.sampler_state
-
-    def split(kv, sampler):
-        logits, _, kv = forward(runner.state, kv, sampler, *args)
-        res, sampler = sample(logits, sampler, smd, mask, runner._no_mask)
-        return res, kv, sampler
-
-    def joined(kv, sampler):
-        return fused(runner.state, kv, sampler, *args)
 
     times = {"one_call": [], "two_calls": []}
     for fn in (joined, split):  # settle

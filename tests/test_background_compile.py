@@ -7,20 +7,20 @@ import pytest
 
 from conftest import SMALL_ENGINE
 from jaxllm import LLM, SamplingParams
-from jaxllm.runner.model_runner import ModelRunner
+from jaxllm.runner.compiler import StepCompiler
 
 
 @pytest.fixture()
 def held_background(monkeypatch):
     """The background compilation waits until the test sets the returned event."""
     release = threading.Event()
-    original = ModelRunner._compile_rest
+    original = StepCompiler.compile_remaining
 
     def held(self, jobs):
         release.wait()
         original(self, jobs)
 
-    monkeypatch.setattr(ModelRunner, "_compile_rest", held)
+    monkeypatch.setattr(StepCompiler, "compile_remaining", held)
     yield release
     release.set()
 
@@ -29,7 +29,8 @@ def test_steps_pad_to_essential_shapes_until_the_rest_compile(tiny_llama, tiny_l
     llm = LLM(tiny_llama, dtype="float32", compile_in_background=True, **SMALL_ENGINE)
     runner = llm.llm_engine.runner
     shapes = runner.shapes
-    assert set(runner._compiled) == set(shapes.essential) and len(shapes.essential) < len(shapes.all)
+    compiled = runner.compiler.forward_executables
+    assert set(compiled) == set(shapes.essential) and len(shapes.essential) < len(shapes.all)
     used = []
     pick = runner.pick_shape
 
@@ -57,8 +58,8 @@ def test_steps_pad_to_essential_shapes_until_the_rest_compile(tiny_llama, tiny_l
 
     held_background.set()
     assert runner.wait_compiled(timeout=600)
-    assert set(runner._compiled) == set(shapes.all)
-    assert runner.background_compile_seconds is not None
+    assert set(compiled) == set(shapes.all)
+    assert runner.compiler.background_compile_seconds is not None
     assert all(runner.pick_shape(t, s) == shapes.pick(t, s) for t in range(1, 65) for s in (1, 3, 8) if s <= t)
     again = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in want]
@@ -69,29 +70,32 @@ def test_steps_pad_to_essential_shapes_until_the_rest_compile(tiny_llama, tiny_l
 def test_shutdown_stops_the_background_compilation(tiny_llama, held_background):
     llm = LLM(tiny_llama, dtype="float32", compile_in_background=True, **SMALL_ENGINE)
     runner = llm.llm_engine.runner
-    before = set(runner._compiled)
-    runner._stop_background.set()  # as shutdown does, before the held thread may start
+    compiled = runner.compiler.forward_executables
+    before = set(compiled)
+    # as shutdown does, before the held thread may start
+    runner.compiler.stop_background(wait=False)
     held_background.set()
     llm.llm_engine.shutdown()
-    assert not runner._background.is_alive()
-    assert set(runner._compiled) == before and not runner.wait_compiled(timeout=0)
+    assert not runner.compiler.compiling_in_background
+    assert set(compiled) == before and not runner.wait_compiled(timeout=0)
 
 
 def test_a_failed_background_compile_pads_and_never_compiles_in_a_step(tiny_llama, tiny_llm, monkeypatch):
     """A shape whose background compilation fails stays padded to a compiled one after the
     thread ends: no step compiles it."""
-    original = ModelRunner._compile
+    original = StepCompiler.compile_forward
 
     def failing(self, T, S):
         if threading.current_thread().name == "jaxllm-compile" and (T, S) == (1, 1):
             raise RuntimeError("out of memory (test)")
         return original(self, T, S)
 
-    monkeypatch.setattr(ModelRunner, "_compile", failing)
+    monkeypatch.setattr(StepCompiler, "compile_forward", failing)
     llm = LLM(tiny_llama, dtype="float32", compile_in_background=True, **SMALL_ENGINE)
     runner = llm.llm_engine.runner
     assert not runner.wait_compiled(timeout=600)  # finished, one shape missing
-    assert (1, 1) not in runner._compiled and not runner._background.is_alive()
+    assert (1, 1) not in runner.compiler.forward_executables
+    assert not runner.compiler.compiling_in_background
     assert runner.pick_shape(1, 1) == (2, 2)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     got = llm.generate([[5, 6, 7]], params, use_tqdm=False)

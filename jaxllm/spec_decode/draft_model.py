@@ -31,9 +31,9 @@ from tqdm.auto import tqdm
 
 from jaxllm.core.block_pool import NULL_BLOCK
 from jaxllm.layers.attention import AttentionMetadata, max_tiles
-from jaxllm.quantization import kv as kvq
 from jaxllm.runner import executable_cache
 from jaxllm.runner.block_ops import BlockOps
+from jaxllm.runner.kv_cache import allocate_kv_cache
 from jaxllm.runner.rejection_sampler import DRAFT_STREAM, _stream_key
 from jaxllm.runner.sampler import argmax, filter_logits, process_logits
 from jaxllm.sampling_params import GREEDY_EPS
@@ -86,14 +86,10 @@ class DraftModel:
         self.max_model_len = runner.max_model_len
         self.block_size = runner.block_size
         self.q_tile = runner.q_tile
-        from jaxllm.runner.model_runner import kv_cache_shape, kv_cache_sharding
-        shape = kv_cache_shape(self.arch, runner.num_blocks, runner.block_size)
         # stored as the target's is (kv_cache_dtype)
-        make = lambda: kvq.make_cache(shape, runner.dtype, runner.kv_cache_dtype,  # noqa: E731
-                                      runner.kv_bits)
-        shapes = jax.eval_shape(make)
-        self.kv_sharding = kv_cache_sharding(runner.mesh, self.arch, shapes)
-        self.kv_cache = jax.jit(make, out_shardings=self.kv_sharding)()
+        self.kv_cache, self.kv_sharding, shapes = allocate_kv_cache(
+            runner.mesh, self.arch, runner.num_blocks, runner.block_size, runner.dtype,
+            runner.kv_cache_dtype, runner.kv_bits)
         self.ops = BlockOps(shapes, runner.block_size, num_host_blocks, self.kv_sharding)
         # the engine turns the proposal passes off while no request may speculate
         # (disable_by_batch_size); the mirror pass always runs, to keep the cache whole
@@ -168,7 +164,7 @@ class DraftModel:
 
     def _compile_mirror(self, runner, T: int, S: int):
         from jaxllm.runner.rejection_sampler import VerifyOutput  # noqa: F401  (shapes below)
-        ids, md, _, smd, vmd = runner._abstract_inputs(T, S)
+        ids, md, _, smd, vmd = runner.compiler.abstract_inputs(T, S)
         rep = runner.replicated
         sds = jax.ShapeDtypeStruct
         tokens = sds((S, self.k + 1), jnp.int32, sharding=rep)
@@ -177,7 +173,7 @@ class DraftModel:
                                         self._abstract(self.kv_cache), ids, md, smd, vmd, tokens, num)
 
     def _compile_decode(self, runner, S: int):
-        _, md, _, smd, _ = runner._abstract_inputs(S, S)
+        _, md, _, smd, _ = runner.compiler.abstract_inputs(S, S)
         rep = runner.replicated
         sds = jax.ShapeDtypeStruct
         smd = dataclasses.replace(smd, next_ids=sds((1,), jnp.int32))  # per token: not needed

@@ -1,0 +1,46 @@
+"""AttentionMetadata of one step, built on the host from the step's numpy layout."""
+from __future__ import annotations
+
+import numpy as np
+
+from jaxllm.core.block_pool import NULL_BLOCK
+from jaxllm.layers.attention import AttentionMetadata, max_tiles, q_tile_size
+
+
+def attention_metadata(starts: np.ndarray, n: np.ndarray, tables: np.ndarray, T: int, S: int,
+                       block_size: int, qt: int | None = None) -> AttentionMetadata:
+    """The flat ragged layout of one step, padded to T tokens and S sequences.
+
+    starts[i]: tokens of sequence i already in the cache; n[i]: its tokens this step;
+    tables[i]: its block-table row. Padded tokens write to the null block.
+    """
+    S_real, T_real = len(n), int(n.sum())
+    bs = block_size
+    qsl = np.zeros(S + 1, np.int32)
+    np.cumsum(n, out=qsl[1:S_real + 1])
+    qsl[S_real + 1:] = T_real
+    seq_ids = np.zeros(T, np.int32)
+    seq_ids[:T_real] = np.repeat(np.arange(S_real, dtype=np.int32), n)
+    positions = np.zeros(T, np.int32)
+    positions[:T_real] = np.arange(T_real, dtype=np.int32) + np.repeat(starts - qsl[:S_real], n)
+    real_pos = positions[:T_real]
+    block_tables = np.full((S, tables.shape[1]), NULL_BLOCK, np.int32)
+    block_tables[:S_real] = tables
+    slots = np.full(T, NULL_BLOCK * bs, np.int32)
+    slots[:T_real] = block_tables[seq_ids[:T_real], real_pos // bs] * bs + real_pos % bs
+    seq_lens = np.zeros(S, np.int32)
+    seq_lens[:S_real] = starts + n
+
+    # prefill tiles: each sequence with more than one token, cut into query tiles
+    qt = qt or q_tile_size(T)
+    W = max_tiles(T, S, qt)
+    multi = np.nonzero(n > 1)[0]
+    per_seq = -(-n[multi] // qt)
+    num_tiles = int(per_seq.sum())
+    tile_seq = np.zeros(W, np.int32)
+    tile_start = np.zeros(W, np.int32)
+    tile_seq[:num_tiles] = np.repeat(multi, per_seq)
+    first_tile = np.repeat(np.cumsum(per_seq) - per_seq, per_seq)
+    tile_start[:num_tiles] = qsl[tile_seq[:num_tiles]] + (np.arange(num_tiles) - first_tile) * qt
+    return AttentionMetadata(positions, slots, seq_ids, qsl, seq_lens, block_tables, tile_seq,
+                             tile_start, np.int32(num_tiles), block_size=bs, q_tile=qt)

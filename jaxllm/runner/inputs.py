@@ -1,0 +1,185 @@
+"""A step's padded numpy inputs, prepared from the scheduler's output and the persistent
+batch: token ids, attention metadata, logits indices, sampling metadata, and with
+speculative decoding the verified positions; with LoRA each token's adapter slot.
+
+Everything here is vectorised over persistent-batch rows: no per-request Python on the
+decode path beyond building the row list.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from jaxllm.core.scheduler import SchedulerOutput
+from jaxllm.layers.attention import AttentionMetadata
+from jaxllm.runner.attention_metadata import attention_metadata
+from jaxllm.runner.buckets import StepShapes
+from jaxllm.runner.input_batch import COLUMNS, InputBatch
+from jaxllm.runner.outputs import DispatchedStep
+from jaxllm.runner.rejection_sampler import VerifyMetadata, num_verify_rows
+from jaxllm.runner.sampler import MAX_BANNED, SamplingMetadata
+from jaxllm.sampling_params import GREEDY_EPS
+
+# sampling metadata fields that are a batch column as they are (COLUMNS' name: the field's)
+_COLUMN_FIELDS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
+                  "min_p": "min_p", "seed": "seeds", "repetition_penalty": "repetition_penalty",
+                  "frequency_penalty": "frequency_penalty", "presence_penalty": "presence_penalty",
+                  "min_tokens": "min_tokens", "has_bias": "has_bias"}
+
+
+class InputPreparer:
+    def __init__(self, batch: InputBatch, shapes: StepShapes, block_size: int,
+                 q_tile: Callable[[int], int], max_num_seqs: int, max_model_len: int,
+                 num_spec: int = 0, spec_probabilistic: bool = False, lora=None):
+        self.batch = batch
+        self.shapes = shapes
+        self.block_size = block_size
+        self.q_tile = q_tile
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.num_spec = num_spec
+        self.spec_probabilistic = spec_probabilistic
+        self.lora = lora  # jaxllm.lora.slots.LoRASlots, or None
+
+    def prepare(self, out: SchedulerOutput, pick_shape: Callable[[int, int], tuple[int, int]]):
+        """Padded numpy inputs of one step, vectorised over persistent-batch rows, in the
+        shape `pick_shape` chooses. Positions and which rows sample come from the scheduler;
+        a token the host does not know yet (sampled by the step still in flight) is -1,
+        taken from the device. A multi-step call's inputs are those of its first pass: one
+        token per request. Returns (the step's record, its shape (T, S), its inputs)."""
+        batch = self.batch
+        req_ids = list(out.num_scheduled_tokens)
+        rows = np.fromiter((batch.row_of[r] for r in req_ids), np.int32, len(req_ids))
+        if out.num_steps > 1:
+            n = np.ones(len(req_ids), np.int32)
+        else:
+            n = np.fromiter((out.num_scheduled_tokens[r] for r in req_ids), np.int32, len(req_ids))
+        start_of = {d.req_id: d.num_computed_tokens for d in out.scheduled_new_reqs}
+        start_of.update((d.req_id, d.num_computed_tokens) for d in out.scheduled_cached_reqs)
+        starts = np.fromiter((start_of[r] for r in req_ids), np.int32, len(req_ids))
+        if len(out.sampling_req_ids) == len(req_ids):  # (every decode step)
+            final = np.ones(len(req_ids), np.bool_)
+        else:
+            final = np.fromiter((r in out.sampling_req_ids for r in req_ids), np.bool_, len(req_ids))
+        spec = out.scheduled_spec_decode_tokens
+        if spec:
+            nd = np.fromiter((len(spec.get(r, ())) for r in req_ids), np.int32, len(req_ids))
+        else:
+            nd = np.zeros(len(req_ids), np.int32)
+        S_real, T_real = len(req_ids), int(n.sum())
+        # a multi-step call takes the decode shape, compiled before serving (passes_shapes)
+        T, S = (self.shapes.pick if out.num_steps > 1 else pick_shape)(T_real, S_real)
+        md = attention_metadata(starts, n, batch.block_table[rows], T, S, self.block_size,
+                                self.q_tile(T))
+        tok_rows = rows[md.token_seq_ids[:T_real]]
+        pos = md.positions[:T_real]
+        input_ids = np.zeros(T, np.int32)
+        known = pos < batch.num_tokens[tok_rows]
+        input_ids[:T_real] = np.where(known, batch.token_ids[tok_rows, np.where(known, pos, 0)], -1)
+        logits_idx = np.zeros(S, np.int32)
+        logits_idx[:S_real] = md.query_start_loc[1:S_real + 1] - 1
+        smd = self.sampling_metadata(rows, n, starts, final, md, T, S, nd)
+        inputs = (input_ids, md, logits_idx, smd)
+        if self.num_spec:
+            inputs += (self.verify_metadata(spec, req_ids, n, nd, md, smd, input_ids, T, S),)
+        c = batch.cols
+        step = DispatchedStep(req_ids, rows, batch.serial[rows].copy(), starts, n, final,
+                              c["num_logprobs"][rows].copy(), c["num_prompt_logprobs"][rows].copy(),
+                              batch.num_prompt_tokens[rows].copy(), nd)
+        return step, (T, S), inputs
+
+    def token_slots(self, rows: np.ndarray, md: AttentionMetadata, T: int):
+        """Each token's adapter slot (0: none), the step's adapters brought in first.
+        Returns (the slots [T], {adapter: why it could not be brought in})."""
+        keys = self.batch.lora_id[rows].tolist()
+        slot_of, failures = self.lora.activate(keys)
+        row_slots = np.fromiter((slot_of.get(k, 0) for k in keys), np.int32, len(rows))
+        T_real = int(md.query_start_loc[-1])
+        token_slots = np.zeros(T, np.int32)
+        token_slots[:T_real] = row_slots[md.token_seq_ids[:T_real]]
+        return token_slots, failures
+
+    def verify_metadata(self, spec, req_ids, n, nd, md, smd, input_ids, T: int, S: int):
+        """The proposals are the last nd[i] tokens of sequence i: put them in the input ids
+        (from the host, or -2 - j for a draft model's proposal j held on the device), and
+        list the positions that score them."""
+        R = num_verify_rows(T, S, self.num_spec)
+        S_real, R_real = len(req_ids), int(nd.sum())
+        if R_real > R:
+            raise RuntimeError(f"{R_real} proposals exceed the step's {R} verified positions")
+        seq = np.repeat(np.arange(S_real, dtype=np.int32), nd)
+        pos = np.arange(R_real, dtype=np.int32) - np.repeat(np.cumsum(nd) - nd, nd).astype(np.int32)
+        first = md.query_start_loc[:S_real] + n - nd  # each sequence's first proposal
+        if R_real:
+            drafts = np.concatenate([spec[r] for r, m in zip(req_ids, nd) if m]).astype(np.int32)
+            input_ids[first[seq] + pos] = np.where(drafts >= 0, drafts, -2 - pos)
+        token_idx = np.zeros(R, np.int32)
+        token_idx[:R_real] = first[seq] + pos - 1
+        valid = np.zeros(R, np.bool_)
+        valid[:R_real] = True
+        nd_pad = np.zeros(S, np.int32)
+        nd_pad[:S_real] = nd
+        prob = (nd_pad > 0) & (smd.temperature >= GREEDY_EPS) & self.spec_probabilistic
+        pad = np.zeros(R, np.int32)
+        pad[:R_real] = seq
+        pos_pad = np.zeros(R, np.int32)
+        pos_pad[:R_real] = pos
+        return VerifyMetadata(token_idx, pad, pos_pad, valid, nd_pad, prob, np.bool_(R_real > 0),
+                              np.bool_(prob.any()))
+
+    def sampling_metadata(self, rows, n, starts, final, md, T: int, S: int,
+                          num_draft=None) -> SamplingMetadata:
+        batch, c = self.batch, self.batch.cols
+        S_real, T_real = len(rows), int(n.sum())
+
+        def col(name):
+            dtype, fill = COLUMNS[name]
+            a = np.full(S, fill, dtype)
+            a[:S_real] = c[name][rows]
+            return a
+
+        cols = {name: col(name) for name in COLUMNS}
+        pad_rows = np.full(S, self.max_num_seqs, np.int32)
+        pad_rows[:S_real] = rows
+        # the output index of the token each row samples: its seed stream's position
+        gen_index = np.zeros(S, np.int32)
+        gen_index[:S_real] = starts + n - batch.num_prompt_tokens[rows]
+        # verified proposals are drawn at earlier output indices than the row's last token
+        first_index = gen_index.copy()
+        if num_draft is not None:
+            first_index[:S_real] -= num_draft
+        is_final = np.zeros(S, np.bool_)
+        is_final[:S_real] = final
+        banned = np.full((S, MAX_BANNED), -1, np.int32)
+        any_banned = False
+        if batch.rows_with_bad_words:  # (few requests have them: no loop over all rows)
+            for i in np.nonzero(np.isin(rows, list(batch.rows_with_bad_words)))[0].tolist():
+                b = batch.banned_tokens(int(rows[i]))[:MAX_BANNED]
+                banned[i, :len(b)] = b
+                any_banned |= bool(b)
+        next_ids = np.zeros(T, np.int32)
+        want_plp = (cols["num_prompt_logprobs"] >= 0) & (np.arange(S) < S_real)
+        any_plp = bool(want_plp.any())
+        if any_plp:
+            pos = md.positions[:T_real]
+            tok_rows = rows[md.token_seq_ids[:T_real]]
+            nxt = np.minimum(pos + 1, self.max_model_len - 1)
+            in_prompt = pos + 1 < batch.num_prompt_tokens[tok_rows]
+            next_ids[:T_real] = np.where(in_prompt, batch.token_ids[tok_rows, nxt], -1)
+        random = cols["temperature"] >= GREEDY_EPS
+        filtered = (cols["top_k"] > 0) | (cols["top_p"] < 1) | (cols["min_p"] > 0)
+        penalised = ((cols["repetition_penalty"] != 1) | (cols["frequency_penalty"] != 0)
+                     | (cols["presence_penalty"] != 0))
+        return SamplingMetadata(
+            **{field: cols[name] for name, field in _COLUMN_FIELDS.items()},
+            gen_index=gen_index, rows=pad_rows, is_final=is_final, banned=banned,
+            next_ids=next_ids,
+            any_random=np.bool_(random.any()),
+            any_filter=np.bool_((random & filtered).any()),
+            any_penalty=np.bool_(penalised.any()),
+            any_bias=np.bool_(cols["has_bias"].any()),
+            any_min_tokens=np.bool_((cols["min_tokens"] > first_index).any()),
+            any_banned=np.bool_(any_banned),
+            any_logprobs=np.bool_((cols["num_logprobs"] >= 0).any()),
+            any_prompt_logprobs=np.bool_(any_plp))

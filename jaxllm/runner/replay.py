@@ -1,0 +1,65 @@
+"""A recorded step replayed on the device alone: its compiled calls launched back to back
+with inputs already on the device and no host work between them. Benchmarks time the
+device's own step this way; the engine never replays."""
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from jaxllm.runner.step_programs import bitmask_words, sampling_only
+
+
+class StepReplay:
+    """One step of shape (T, S) on `inputs` (as the runner's run_forward takes them), with
+    each token's LoRA slot `token_slots`, or a multi-step call of num[i] passes of row i.
+    Sampling runs unconstrained (no token bitmask)."""
+
+    def __init__(self, runner, shape: tuple[int, int], inputs, token_slots=None, num=None):
+        compiler = runner.compiler
+        self.runner = runner
+        self.shape = shape
+        self.args = runner.device_put(inputs)
+        self.smd = sampling_only(self.args[3])
+        self.passes = 1 if num is None else int(num.max())
+        self._adapters = () if token_slots is None else (
+            (runner.lora.weights, runner.device_put(token_slots)),)
+        self._num = None if num is None else runner.device_put(num)
+        if num is not None:
+            self._passes = compiler.passes(shape)
+        else:
+            self._forward = compiler.forward(shape)
+            self._sample = compiler.sample(compiler.sample_key(*shape))
+        S = shape[1]
+        self._mask = runner.device_put(np.full((S, bitmask_words(runner.vocab)), -1, np.int32))
+        self._use_mask = runner.device_put(np.bool_(False))
+
+    def step(self, kv_cache, sampler_state):
+        """The step as the engine launches it, on the given cache and sampler state (both
+        donated): (results, cache, sampler state)."""
+        state = self.runner.state
+        if self._num is not None:
+            return self._passes(state, kv_cache, sampler_state, *self.args[:3], self.smd,
+                                self._num, *self._adapters)
+        logits, _, kv_cache = self._forward(state, kv_cache, sampler_state, *self.args,
+                                            *self._adapters)
+        res, sampler_state = self._sample(logits, sampler_state, self.smd, self._mask,
+                                          self._use_mask)
+        return res, kv_cache, sampler_state
+
+    def fused(self):
+        """The same forward pass and sampling as one jitted call, compiled now: a function of
+        (cache, sampler state) like step()."""
+        runner, programs = self.runner, self.runner.compiler.programs
+        mask, use_mask = self._mask, self._use_mask
+
+        def one_call(state, kv_cache, sampler_state, *args):
+            logits, _, kv_cache = programs.forward(state, kv_cache, sampler_state, *args)
+            res, sampler_state = programs.sample(logits, sampler_state, sampling_only(args[3]),
+                                                 mask, use_mask)
+            return res, kv_cache, sampler_state
+
+        exe = jax.jit(one_call, donate_argnums=(1, 2)).lower(
+            runner.state, runner.kv_cache, runner.sampler_state, *self.args, *self._adapters
+        ).compile()
+        return lambda kv_cache, sampler_state: exe(runner.state, kv_cache, sampler_state,
+                                                   *self.args, *self._adapters)
