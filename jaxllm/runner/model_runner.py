@@ -5,7 +5,7 @@ A step is two jitted calls launched back to back: the forward pass (the model, t
 the rows that sample, prompt logprobs) and sampling. Between the two the host may compute
 what sampling needs that depends on the previous step's tokens: structured outputs' token
 bitmask, while the device runs the forward pass. With multi-step scheduling a decode step is
-one call of several passes instead. The rooms around this one: the KV cache (kv_cache),
+one call of several passes instead. Beside this module: the KV cache (kv_cache),
 input preparation (inputs), the programs (step_programs) and their executables (compiler),
 the records of a step (outputs), and with several processes the leader's announcements
 (jaxllm.parallel.leader).
