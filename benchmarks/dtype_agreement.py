@@ -16,8 +16,8 @@ def prompt_logits(loaded, ids: list[int]) -> np.ndarray:
     import jax
     import jax.numpy as jnp
     from flax import nnx
-    from jaxllm.runner.attention_metadata import attention_metadata
-    from jaxllm.runner.kv_cache import kv_cache_shape, table_width
+    from jaxllm.layers.attention_metadata import attention_metadata
+    from jaxllm.layers.attention_metadata import kv_cache_shape, table_width
 
     T, bs = len(ids), 16
     width = table_width(T, bs)

@@ -137,7 +137,8 @@ def np_prod(dims: str) -> int:
 
 
 def compile_kernels(rep, arch: str) -> list[dict]:
-    from jaxllm.runner.model_runner import abstract_step_inputs, table_width
+    from jaxllm.layers.attention_metadata import table_width
+    from jaxllm.runner.step_programs import abstract_step_inputs
     from pallas_kernels.ragged_paged_attention import q_tile, ragged_paged_attention
 
     T, S, bs, max_len, blocks, layers = 512, 64, 16, 4096, 2048, 2
@@ -165,14 +166,16 @@ def compile_kernels(rep, arch: str) -> list[dict]:
 
 def compile_steps(mesh, device_memory: int, args) -> dict:
     from jaxllm.engine.llm_engine import kv_budget_bytes
-    from jaxllm.loader.loader import abstract_model
-    from jaxllm.layers.linear import uniform_policy
+    from jaxllm.kernels import matmul_backend
+    from jaxllm.layers.dtype_policy import uniform_policy
+    from jaxllm.loader.abstract import abstract_model
     from jaxllm.models.registry import arch_from_hf, get_model_class
-    from jaxllm.parallel import plan, runtime_arch, sharding
-    from jaxllm.runner.model_runner import (abstract_sample_inputs, abstract_step_inputs,
-                                            build_forward, build_sample, kv_bytes_per_block,
-                                            kv_cache_shape, step_compiler_options,
-                                            step_scratch_bytes, table_width)
+    from jaxllm.parallel import plan, platform_of, runtime_arch, sharding
+    from jaxllm.runner.kv_cache import kv_bytes_per_block, kv_cache_sharding
+    from jaxllm.layers.attention_metadata import kv_cache_shape, table_width
+    from jaxllm.runner.step_programs import (abstract_sample_inputs, abstract_step_inputs,
+                                             build_forward, build_sample, step_compiler_options,
+                                             step_scratch_bytes)
     from jaxllm.runner.sampler import init_state
     import json
 
@@ -186,8 +189,8 @@ def compile_steps(mesh, device_memory: int, args) -> dict:
         specs = get_model_class(arch.architecture).param_specs(arch)
         layouts = {n: lay for n, sp in specs.items()
                    if (lay := qm.online_layout(args.quantization, n, sp)) is not None}
-        from jaxllm.quantization import matmul_backend
-        quant = qm.QuantSpec(args.quantization, tuple(sorted(layouts.items())), matmul_backend(mesh))
+        quant = qm.QuantSpec(args.quantization, tuple(sorted(layouts.items())),
+                             matmul_backend(platform_of(mesh), mesh.size))
     graphdef, abstract_state, shardings = abstract_model(arch, uniform_policy(dtype),
                                                          args.attention_backend, mesh, quant)
     state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
@@ -195,7 +198,6 @@ def compile_steps(mesh, device_memory: int, args) -> dict:
     # per device: each holds its shard of every weight
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state)) // mesh.size
     from jaxllm.quantization import kv as kvq
-    from jaxllm.runner.model_runner import kv_cache_sharding
     rep = sharding(mesh)
     bs = args.block_size
     width = table_width(args.max_model_len, bs)

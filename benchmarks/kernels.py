@@ -44,8 +44,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def _case(batch: int, ctx: int, q_len: int, args, dtype, on_gpu: bool):
     """A batch of `batch` sequences, each with `ctx` cached tokens and `q_len` new ones, in
     shuffled blocks of a cache big enough for all of them (one layer)."""
-    from jaxllm.runner.attention_metadata import attention_metadata
-    from jaxllm.runner.kv_cache import table_width
+    from jaxllm.layers.attention_metadata import attention_metadata
+    from jaxllm.layers.attention_metadata import table_width
     from pallas_kernels.ragged_paged_attention import q_tile
 
     bs = args.block_size

@@ -58,7 +58,7 @@ def _child_start(cfg: dict) -> dict:
     llm = LLM(config=EngineConfig(**cfg))
     ready = _process_seconds()
     engine = llm.llm_engine
-    compiled_at_ready = engine.runner.num_compiled
+    compiled_at_ready = engine.runner.compiler.num_compiled
     out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
                        use_tqdm=False)
     first_s = _process_seconds() - ready

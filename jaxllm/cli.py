@@ -180,7 +180,7 @@ def cmd_serve(args) -> int:
     return run_server(engine_config_from_args(args), args.host, args.port, args.served_model_name,
                       args.api_key, args.max_queue_len, args.shutdown_timeout, args.log_interval,
                       args.tool_call_parser if args.enable_auto_tool_choice else None,
-                      args.lora_modules)
+                      args.lora_modules, args.enable_runtime_lora_updating)
 
 
 def cmd_convert(args) -> int:
@@ -234,6 +234,9 @@ def main(argv=None) -> int:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--api-key", default=None, help="require this bearer key on /v1 (or JAXLLM_API_KEY)")
+    p.add_argument("--enable-runtime-lora-updating", action="store_true",
+                   help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (or "
+                        "JAXLLM_ALLOW_RUNTIME_LORA_UPDATING=1)")
     p.add_argument("--max-queue-len", type=int, default=None,
                    help="answer 429 while this many requests wait")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,

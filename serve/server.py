@@ -9,6 +9,7 @@ import threading
 
 import uvicorn
 
+from jaxllm import envs
 from jaxllm.config import EngineConfig
 from jaxllm.loader.loader import DEFAULT_MODEL_NAME
 from jaxllm.engine.async_engine import describe_error
@@ -40,9 +41,6 @@ def served_name(model: str | None, given: str | None) -> str:
     if model is None:
         return DEFAULT_MODEL_NAME
     return os.path.basename(os.path.normpath(model))
-
-
-RUNTIME_LORA_ENV = "JAXLLM_ALLOW_RUNTIME_LORA_UPDATING"
 
 
 def parse_lora_modules(specs: list[str] | None, enable_lora: bool) -> list:
@@ -77,7 +75,10 @@ def parse_lora_modules(specs: list[str] | None, enable_lora: bool) -> list:
 def run_server(engine_config: EngineConfig, host: str, port: int, served_model_name: str | None,
                api_key: str | None, max_queue_len: int | None, shutdown_timeout: float,
                log_interval: float, tool_call_parser: str | None = None,
-               lora_modules: list[str] | None = None) -> int:
+               lora_modules: list[str] | None = None,
+               enable_runtime_lora_updating: bool = False) -> int:
+    """enable_runtime_lora_updating: POST /v1/load_lora_adapter and /v1/unload_lora_adapter (also
+    JAXLLM_ALLOW_RUNTIME_LORA_UPDATING, as vLLM's variable)."""
     if engine_config.process_id != 0:
         # other processes serve nothing: they run process 0's steps until it shuts down
         from jaxllm.engine.llm_engine import LLMEngine
@@ -85,14 +86,15 @@ def run_server(engine_config: EngineConfig, host: str, port: int, served_model_n
         return 0
     name = served_name(engine_config.model, served_model_name)
     loras = parse_lora_modules(lora_modules, engine_config.enable_lora)
-    runtime_lora = os.environ.get(RUNTIME_LORA_ENV, "").lower() in ("1", "true", "yes")
+    runtime_lora = enable_runtime_lora_updating or envs.allow_runtime_lora_updating()
     if runtime_lora and not engine_config.enable_lora:
-        raise ValueError(f"{RUNTIME_LORA_ENV} needs --enable-lora")
+        raise ValueError("--enable-runtime-lora-updating (JAXLLM_ALLOW_RUNTIME_LORA_UPDATING) "
+                         "needs --enable-lora")
     if runtime_lora:
-        logger.warning("%s is set: any client with the API key may load LoRA adapters from "
-                       "this machine's disk (POST /v1/load_lora_adapter)", RUNTIME_LORA_ENV)
+        logger.warning("runtime LoRA updating is on: any client with the API key may load LoRA "
+                       "adapters from this machine's disk (POST /v1/load_lora_adapter)")
     server = OpenAIServer(engine_config, ServerConfig(
-        name, api_key or os.environ.get("JAXLLM_API_KEY"), max_queue_len, log_interval,
+        name, api_key or envs.api_key(), max_queue_len, log_interval,
         tool_call_parser=tool_call_parser, lora_modules=loras, allow_runtime_lora_updating=runtime_lora))
     config = uvicorn.Config(server.app(), host=host, port=port, log_level="info",
                             timeout_graceful_shutdown=shutdown_timeout, lifespan="on")

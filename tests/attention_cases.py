@@ -2,8 +2,8 @@
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.runner.attention_metadata import attention_metadata
-from jaxllm.runner.kv_cache import table_width
+from jaxllm.layers.attention_metadata import attention_metadata
+from jaxllm.layers.attention_metadata import table_width
 
 
 def make_case(seqs, *, heads=8, kv_heads=2, head_dim=64, block_size=16, layers=2, layer=1,

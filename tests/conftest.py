@@ -30,6 +30,15 @@ def _collect_module_engines():
     gc.collect()
 
 
+@pytest.fixture
+def cpu_amx():
+    """Switch the CPU kernels between AMX and AVX-512 within a test (EngineConfig.cpu_amx is
+    process-wide); AMX is allowed again afterwards."""
+    from jaxllm.kernels.cpu import build
+    yield build.set_amx
+    build.set_amx(True)
+
+
 @pytest.fixture(scope="session")
 def default_gguf() -> str:
     return default_model_path()

@@ -213,7 +213,7 @@ def test_cpu_engine_stores_a_bf16_cache_as_bits(tiny_llama, default_llm, caplog)
 @pytest.mark.parametrize("which", ["decode", "prefill"])
 def test_cpu_kernels_refuse_a_block_outside_the_cache(which):
     """A block table pointing past the cache is an error from each kernel, not a stray read."""
-    from jaxllm.quantization import cpu
+    from jaxllm.kernels.cpu import attention as cpu_attention
     q, cache, layer, md = make_case([(40, 1) if which == "decode" else (40, 20)], seed=5)
     md.block_tables[0, 1] = cache.shape[3] // md.block_size  # one past the last block
     md = jax.tree.map(jnp.asarray, md)
@@ -222,8 +222,8 @@ def test_cpu_kernels_refuse_a_block_outside_the_cache(which):
 
     def run():
         if which == "decode":
-            return cpu.decode_attention(qg, cache, layer, md.block_tables, md.seq_lens,
+            return cpu_attention.decode_attention(qg, cache, layer, md.block_tables, md.seq_lens,
                                         jnp.zeros_like(md.seq_lens), md.block_size, None)
-        return cpu.prefill_attention(qg, cache, layer, md, None, None)
+        return cpu_attention.prefill_attention(qg, cache, layer, md, None, None)
     with pytest.raises(Exception, match="block id is outside the cache"):
         jax.block_until_ready(jax.jit(run)())

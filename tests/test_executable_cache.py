@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxllm.runner import executable_cache as ec
+from jaxllm import executable_cache as ec
 
 
 TRACES = []  # a global, not a closure value: counting must not change the key
@@ -17,7 +17,6 @@ TRACES = []  # a global, not a closure value: counting must not change the key
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
-    monkeypatch.delenv("JAXLLM_EXECUTABLE_CACHE", raising=False)
     ec.configure(str(tmp_path))
     TRACES.clear()
     yield tmp_path / "executables"
@@ -67,12 +66,12 @@ def test_what_the_trace_depends_on_changes_the_key(cache, monkeypatch):
     # compiler options
     ec.compile(scaled(3.0, traces), six, options={"xla_cpu_enable_fast_math": False})
     # a setting read while tracing
-    monkeypatch.setenv("JAXLLM_SOMETHING", "1")
+    monkeypatch.setenv("JAX_SOMETHING", "1")
     ec.compile(scaled(3.0, traces), six)
     assert len(traces) == 8 and entries(cache) == 8
     # and the same again is a hit for each
     ec.compile(scaled(3.0, traces), six)
-    monkeypatch.delenv("JAXLLM_SOMETHING")
+    monkeypatch.delenv("JAX_SOMETHING")
     ec.compile(scaled(1.0, traces, np.full(6, 2, np.float32)), six)
     assert len(traces) == 8
 
@@ -128,18 +127,16 @@ def test_a_corrupt_entry_is_dropped_and_compiled_again(cache, caplog):
     assert len(traces) == 2
 
 
-def test_switched_off_and_a_bad_setting(tmp_path, monkeypatch):
-    monkeypatch.setenv("JAXLLM_EXECUTABLE_CACHE", "0")
-    ec.configure(str(tmp_path))
+def test_switched_off_and_a_bad_setting(tmp_path):
+    from jaxllm.config import EngineConfig
+    ec.configure(None)
     try:
         traces = TRACES
         ec.compile(scaled(3.0, traces), jax.ShapeDtypeStruct((6,), jnp.float32))
         assert not (tmp_path / "executables").exists()
-        monkeypatch.setenv("JAXLLM_EXECUTABLE_CACHE", "yes")
-        with pytest.raises(ValueError, match="JAXLLM_EXECUTABLE_CACHE"):
-            ec.configure(str(tmp_path))
+        with pytest.raises(ValueError, match="executable_cache must be a bool"):
+            EngineConfig(executable_cache="yes")
     finally:
-        monkeypatch.delenv("JAXLLM_EXECUTABLE_CACHE")
         ec.configure(os.environ["JAXLLM_COMPILATION_CACHE_DIR"])
 
 
@@ -163,11 +160,11 @@ def test_a_second_engine_start_compiles_nothing(tiny_llama, tmp_path, monkeypatc
     assert lowered, "a cold start compiles"
     want = [o.outputs[0].token_ids for o in first.generate(prompts, p, use_tqdm=False)]
     n = entries(tmp_path / "executables")
-    assert n >= first.llm_engine.runner.num_compiled
+    assert n >= first.llm_engine.runner.compiler.num_compiled
     del first
     lowered.clear()
     second = LLM(tiny_llama, **args)
-    assert not lowered and second.llm_engine.runner.num_compiled > 0
+    assert not lowered and second.llm_engine.runner.compiler.num_compiled > 0
     assert [o.outputs[0].token_ids for o in second.generate(prompts, p, use_tqdm=False)] == want
     del second
     other = LLM(tiny_llama, **dict(args, max_num_seqs=2))
@@ -178,8 +175,8 @@ def test_a_second_engine_start_compiles_nothing(tiny_llama, tmp_path, monkeypatc
 KEY_SCRIPT = """
 import jax, jax.numpy as jnp
 from jaxllm.parallel import make_mesh, sharding
-from jaxllm.runner import executable_cache as ec
-from jaxllm.runner.model_runner import build_sample
+from jaxllm import executable_cache as ec
+from jaxllm.runner.step_programs import build_sample
 fn = build_sample(sharding(make_mesh(1)), num_spec=2)  # nested functions, a closure
 print(ec.key_of(fn, (jax.ShapeDtypeStruct((4, 8), jnp.float32),), None))
 """
@@ -192,7 +189,7 @@ def test_keys_are_the_same_in_another_process():
     import sys
 
     from jaxllm.parallel import make_mesh, sharding
-    from jaxllm.runner.model_runner import build_sample
+    from jaxllm.runner.step_programs import build_sample
     here = ec.key_of(build_sample(sharding(make_mesh(1)), num_spec=2),
                      (jax.ShapeDtypeStruct((4, 8), jnp.float32),), None)
     there = subprocess.run([sys.executable, "-c", KEY_SCRIPT], capture_output=True, text=True,
@@ -231,7 +228,7 @@ import os, sys, jax, jax.numpy as jnp
 jax.config.update("jax_compilation_cache_dir", sys.argv[1])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-from jaxllm.runner import executable_cache as ec
+from jaxllm import executable_cache as ec
 ec.configure(sys.argv[2])
 def make():
     def f(x):
@@ -260,15 +257,12 @@ def test_the_engine_uses_one_persistent_cache(tmp_path, monkeypatch):
     """With the executable cache on, JAX's persistent cache stays off (its hits could never
     reach ours); with it off, JAX's cache is used as before."""
     from jaxllm.engine.llm_engine import setup_compilation_cache
-    monkeypatch.delenv("JAXLLM_EXECUTABLE_CACHE", raising=False)
     before = jax.config.jax_compilation_cache_dir
     try:
         setup_compilation_cache(str(tmp_path / "a"))
         assert ec.enabled() and jax.config.jax_compilation_cache_dir == before
-        monkeypatch.setenv("JAXLLM_EXECUTABLE_CACHE", "0")
-        setup_compilation_cache(str(tmp_path / "b"))
+        setup_compilation_cache(str(tmp_path / "b"), executables=False)
         assert not ec.enabled() and jax.config.jax_compilation_cache_dir == str(tmp_path / "b")
     finally:
         jax.config.update("jax_compilation_cache_dir", before)
-        monkeypatch.delenv("JAXLLM_EXECUTABLE_CACHE")
         ec.configure(os.environ["JAXLLM_COMPILATION_CACHE_DIR"])

@@ -19,18 +19,14 @@ def _anon_huge_kib(address: int) -> int:
     raise AssertionError(f"no mapping holds {address:#x}")
 
 
-def test_advise_collapses_an_arrays_pages(monkeypatch):
+def test_advise_collapses_an_arrays_pages():
     """A 64 MiB array already written on 4 KiB pages: advise() asks for its whole 2 MiB pages,
     and where the kernel's THP mode allows it (always / madvise) and it collapsed them now,
-    smaps then shows them as huge pages; with THP off, or JAXLLM_HUGE_PAGES=0, it asks for
-    nothing. The values are kept."""
+    smaps then shows them as huge pages; with THP off it asks for nothing. The values are kept."""
     x = jnp.arange(16 << 20, dtype=jnp.float32)  # 64 MiB
     x.block_until_ready()
     p = x.unsafe_buffer_pointer()
     whole = (p + x.nbytes) // hp.HUGE * hp.HUGE - (-(-p // hp.HUGE) * hp.HUGE)
-    monkeypatch.setenv("JAXLLM_HUGE_PAGES", "0")
-    assert hp.advise({"w": x, "small": jnp.ones(8)}) == (0, 0)
-    monkeypatch.delenv("JAXLLM_HUGE_PAGES")
     collapsed, asked = hp.advise({"w": x, "small": jnp.ones(8)})
     if hp.thp_mode() in (None, "never"):
         assert collapsed == asked == 0
@@ -63,3 +59,13 @@ def test_engine_asks_for_its_weights_and_kv_cache(default_llm):
     assert eng.runner.kv_cache.unsafe_buffer_pointer() == p
     if not asked:  # everything was collapsed at start-up
         assert _anon_huge_kib(p + hp.HUGE) * 1024 >= cache.nbytes - 2 * hp.HUGE
+
+
+def test_huge_pages_off_asks_for_nothing(tmp_path):
+    """EngineConfig.huge_pages=False (--no-huge-pages): the engine starts no advising thread."""
+    from conftest import make_tiny_checkpoint
+    from jaxllm import LLM
+    make_tiny_checkpoint(tmp_path, "llama3", tokenizer_dir=None)
+    eng = LLM(model=str(tmp_path), load_format="dummy", warmup=False, huge_pages=False,
+              max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16).llm_engine
+    assert eng._huge_pages is None and eng.huge_page_bytes is None

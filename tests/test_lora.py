@@ -71,7 +71,7 @@ def logits_fn(loaded, num_slots: int, ids, scan_layers: bool = True):
     once."""
     from flax import nnx
     from jaxllm.lora.ops import LoRAInputs
-    from jaxllm.runner.kv_cache import kv_cache_shape
+    from jaxllm.layers.attention_metadata import kv_cache_shape
     from test_models import prefill_metadata
 
     md = jax.tree.map(jnp.asarray, prefill_metadata(len(ids)))

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from conftest import TINY_VARIANTS, make_tiny_checkpoint
-from jaxllm.runner.model_runner import attention_metadata, table_width
+from jaxllm.layers.attention_metadata import attention_metadata
+from jaxllm.layers.attention_metadata import table_width
 from jaxllm.loader import load_model
 
 
@@ -22,7 +23,7 @@ def all_logits(loaded, token_ids: list[int], scan_layers: bool = True) -> np.nda
     """Our logits at every position of one prompt, computed in a single step, the layers
     under a scan (as on a CPU) or unrolled (as on a GPU)."""
     from flax import nnx
-    from jaxllm.runner.model_runner import kv_cache_shape
+    from jaxllm.layers.attention_metadata import kv_cache_shape
 
     T = len(token_ids)
     md = prefill_metadata(T)
@@ -119,7 +120,7 @@ def test_gguf_tokenizer_matches_transformers_and_caches(default_gguf, tmp_path, 
     from transformers import AutoTokenizer
 
     from jaxllm.loader import loader
-    monkeypatch.setattr(loader, "TOKENIZER_CACHE", str(tmp_path))
+    monkeypatch.setenv("JAXLLM_TOKENIZER_CACHE_DIR", str(tmp_path))
     fresh = loader.get_tokenizer(default_gguf)
     assert len(list(tmp_path.iterdir())) == 1
     cached = loader.get_tokenizer(default_gguf)
@@ -235,7 +236,7 @@ def test_qwen2_sliding_window_honoured_or_refused(tmp_path, max_window_layers, w
 def test_cpu_bf16_policy_stores_bf16_and_stays_close(tmp_path):
     """dtype="bfloat16" on a CPU: projection weights and the embedding stored in bf16, norms
     in f32; logits close to the f32 model's (bf16 rounding of weights and dot inputs only)."""
-    from jaxllm.layers.linear import CPU_BF16_POLICY
+    from jaxllm.layers.dtype_policy import CPU_BF16_POLICY
     make_tiny_checkpoint(tmp_path, "llama3")
     ref = load_model(str(tmp_path), jnp.float32, load_tokenizer=False)
     pol = load_model(str(tmp_path), CPU_BF16_POLICY, load_tokenizer=False)
@@ -252,13 +253,13 @@ def test_cpu_bf16_policy_stores_bf16_and_stays_close(tmp_path):
 
 
 # widths whose layer matrices are whole 48-column panels (K a multiple of 32): the loader
-# packs them (jaxllm.quantization.cpu.to_panels)
+# packs them (jaxllm.kernels.cpu.panels.to_panels)
 PANEL_SHAPES = dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=3, head_dim=16,
                     intermediate_size=96)
 
 
 @pytest.mark.parametrize("family", ["llama3", "qwen2", "llama3 panels"])
-def test_cpu_bf16_kernel_matches_xla_widening(tmp_path, monkeypatch, family):
+def test_cpu_bf16_kernel_matches_xla_widening(tmp_path, cpu_amx, family):
     """The CPU kernel that reads bf16 weights in place (layers' stacks, the tied or untied
     head) computes what XLA computes from the same weights widened to f32. On AMX's tiles
     (where the CPU has them) the sums run in another order, so an activation the policy rounds
@@ -266,8 +267,8 @@ def test_cpu_bf16_kernel_matches_xla_widening(tmp_path, monkeypatch, family):
     much; on AVX-512 the two agree to float noise. With panel-sized matrices every layer
     stack is read as the panels packed at load, by pairs of k at any row count: there too the
     sums run in another order."""
-    from jaxllm.layers.linear import CPU_BF16_POLICY
-    from jaxllm.quantization import cpu
+    from jaxllm.layers.dtype_policy import CPU_BF16_POLICY
+    from jaxllm.kernels.cpu import build
     panels = family.endswith("panels")
     make_tiny_checkpoint(tmp_path, family.split()[0], **(PANEL_SHAPES if panels else {}))
     kern = load_model(str(tmp_path), CPU_BF16_POLICY, load_tokenizer=False)
@@ -276,11 +277,10 @@ def test_cpu_bf16_kernel_matches_xla_widening(tmp_path, monkeypatch, family):
     stacks = [kern.state["layers"][n][...] for n in ("wqkv", "wo", "w_gate_up", "w_down")]
     assert all((w.dtype == jnp.uint32 and w.ndim == 4) == panels for w in stacks)
     ids = np.random.default_rng(1).integers(0, 49152, size=21).tolist()
-    tiles = all_logits(kern, ids) if cpu.amx() else None
-    monkeypatch.setenv("JAXLLM_CPU_AMX", "0")
+    tiles = all_logits(kern, ids) if build.amx() else None
+    cpu_amx(False)
     a = all_logits(kern, ids)
-    monkeypatch.setenv("JAXLLM_QUANT_BACKEND", "xla")
-    xla = load_model(str(tmp_path), CPU_BF16_POLICY, load_tokenizer=False)
+    xla = load_model(str(tmp_path), CPU_BF16_POLICY, load_tokenizer=False, matmul_backend="xla")
     assert not nnx.merge(xla.graphdef, xla.state).dense_kernel
     b = all_logits(xla, ids)
     # panels multiply by pairs of k (vdpbf16ps) at every row count: another order of sums
@@ -313,17 +313,21 @@ def test_registry_dispatches_on_architectures():
         LlamaForCausalLM.HF_WEIGHTS.lookup("model.layers.0.self_attn.qkv_proj.weight")
 
 
-def test_dtype_policy_per_platform(monkeypatch):
-    from jaxllm.layers.linear import CPU_BF16_POLICY, cpu_kernels, resolve_policy
+def test_dtype_policy_per_platform():
+    from jaxllm.kernels import matmul_backend
+    from jaxllm.layers.dtype_policy import CPU_BF16_POLICY, resolve_policy
     # on one CPU device with the kernels, bf16 weights widened in registers (bench dots)
-    assert cpu_kernels()
-    assert resolve_policy("auto", "cpu") == CPU_BF16_POLICY
-    assert resolve_policy("auto", "cpu", devices=2).weight == jnp.float32  # no kernel under TP
-    monkeypatch.setenv("JAXLLM_CPU_KERNELS", "0")
-    assert resolve_policy("auto", "cpu").weight == jnp.float32
+    assert matmul_backend("cpu", 1) == "cpu"
+    assert resolve_policy("auto", "cpu", matmul_backend("cpu", 1)) == CPU_BF16_POLICY
+    assert matmul_backend("cpu", 2) == "xla"  # no kernel under tensor parallelism
+    assert resolve_policy("auto", "cpu", matmul_backend("cpu", 2)).weight == jnp.float32
+    assert matmul_backend("cpu", 1, cpu_kernels=False) == "xla"  # EngineConfig.cpu_kernels
+    assert matmul_backend("cpu", 1, "pallas_interpret") == "pallas_interpret"
+    assert matmul_backend("gpu", 1) == "pallas" and matmul_backend("gpu", 2) == "xla"
+    assert resolve_policy("auto", "cpu", "xla").weight == jnp.float32
     assert resolve_policy("bfloat16", "cpu") == CPU_BF16_POLICY
     assert CPU_BF16_POLICY.activation == CPU_BF16_POLICY.dot == CPU_BF16_POLICY.accum == jnp.float32
-    assert resolve_policy("float32", "cpu").weight == jnp.float32
+    assert resolve_policy("float32", "cpu", "cpu").weight == jnp.float32
     gpu = resolve_policy("auto", "gpu")
     assert gpu.weight == gpu.activation == jnp.bfloat16
     assert resolve_policy("float32", "gpu").dot == jnp.float32

@@ -17,6 +17,7 @@ import pytest
 from conftest import SMALL_ENGINE, make_tiny_checkpoint
 from jaxllm.cli import main
 from jaxllm.loader import load_model
+from jaxllm.loader.convert import convert
 from jaxllm.loader import orbax as jo
 from test_models import all_logits, assert_same_tokenizer
 
@@ -51,7 +52,7 @@ def test_round_trip_each_family_and_source(source, tmp_path, tokenizer_dir):
         # metadata takes seconds each time the file is opened
         src, tok = str(tmp_path / "tiny.gguf"), tokenizer_dir
         write_gguf(hf, src)
-    out = jo.convert(src, str(tmp_path / "ckpt"), dtype="float32", tokenizer=tok)
+    out = convert(src, str(tmp_path / "ckpt"), dtype="float32", tokenizer=tok)
     ref = load_model(src, jnp.float32, tokenizer=tok)
     got = load_model(out, jnp.float32)
     assert_same_model(ref, got)
@@ -117,27 +118,26 @@ def test_cpu_panels_are_packed_at_load_and_saved_unpacked(tmp_path, tokenizer_di
     it holds the plain bf16 arrays, and restoring it packs them again: the same logits."""
     import dataclasses
 
-    from jaxllm.layers.linear import CPU_BF16_POLICY
-    from jaxllm.loader.loader import panel_state
-    from jaxllm.quantization import cpu
+    from jaxllm.layers.dtype_policy import CPU_BF16_POLICY
+    from jaxllm.kernels.cpu import panels as cpu_panels
     from test_models import PANEL_SHAPES
     src, out = str(tmp_path / "src"), str(tmp_path / "ckpt")
     make_tiny_checkpoint(src, "llama3", tokenizer_dir, tie_word_embeddings=tied, **PANEL_SHAPES)
     plain = load_model(src, jnp.bfloat16, load_tokenizer=False)   # XLA's bf16: no kernel
     packed = load_model(src, CPU_BF16_POLICY, load_tokenizer=False)
     w = packed.state["layers"]["w_gate_up"][...]
-    assert w.dtype == jnp.uint32 and w.shape == (2, 192 // cpu.PANEL, 96 // 2, cpu.PANEL)
-    np.testing.assert_array_equal(np.asarray(cpu.from_panels(w)),
+    assert w.dtype == jnp.uint32 and w.shape == (2, 192 // cpu_panels.PANEL, 96 // 2, cpu_panels.PANEL)
+    np.testing.assert_array_equal(np.asarray(cpu_panels.from_panels(w)),
                                   np.asarray(plain.state["layers"]["w_gate_up"][...]))
     name = "embed_tokens" if tied else "lm_head"
     head = packed.state[name][...]
-    assert head.dtype == jnp.uint32 and head.shape == (1, 49152 // cpu.PANEL, 96 // 2, cpu.PANEL)
-    np.testing.assert_array_equal(np.asarray(cpu.from_head_panels(head, tied)),
+    assert head.dtype == jnp.uint32 and head.shape == (1, 49152 // cpu_panels.PANEL, 96 // 2, cpu_panels.PANEL)
+    np.testing.assert_array_equal(np.asarray(cpu_panels.from_head_panels(head, tied)),
                                   np.asarray(plain.state[name][...]))
     if not tied:
         assert packed.state["embed_tokens"][...].dtype == jnp.bfloat16
     ids = list(range(3, 20)) + [49151, 48, 47]
-    unpacked = dataclasses.replace(packed, state=panel_state(packed.state, pack=False))
+    unpacked = dataclasses.replace(packed, state=cpu_panels.pack_state(packed.state, pack=False))
     assert unpacked.state[name][...].dtype == jnp.bfloat16
     np.testing.assert_array_equal(all_logits(unpacked, ids), all_logits(packed, ids))
     assert main(["convert", src, out, "--dtype", "bfloat16"]) == 0
@@ -155,16 +155,15 @@ def test_a_quantized_head_leaves_the_embedding_table_unpacked():
     """A model whose LM head is quantized (its parts lm_head.q, lm_head.scale) and whose
     embedding table is bf16 is untied: the table, read only by row, is not packed as a head;
     without an LM head the same table is the head and is packed."""
-    from jaxllm.loader.loader import panel_state
-    from jaxllm.quantization import cpu
-    if not cpu.available():
+    from jaxllm.kernels.cpu import build, panels as cpu_panels
+    if not build.available():
         pytest.skip("no C++ compiler for the CPU kernels")
     table = jnp.asarray(np.random.default_rng(0).normal(size=(96, 64)), jnp.bfloat16)
     head = {"q": jnp.zeros((64, 96), jnp.int8), "scale": jnp.ones((96,), jnp.float32)}
-    untied = panel_state({"embed_tokens": table, "lm_head": head}, pack=True)
+    untied = cpu_panels.pack_state({"embed_tokens": table, "lm_head": head}, pack=True)
     assert untied["embed_tokens"] is table
     assert untied["lm_head"]["q"] is head["q"]
-    tied = panel_state({"embed_tokens": table}, pack=True)
+    tied = cpu_panels.pack_state({"embed_tokens": table}, pack=True)
     assert tied["embed_tokens"].dtype == jnp.uint32
 
 
@@ -174,20 +173,19 @@ def test_cpu_w8a8_codes_are_packed_at_load_and_saved_unpacked(tmp_path, tokenize
     do through the per-call packing (the same integer sums); a checkpoint converted from it
     holds the plain int8 codes, and restoring packs them again."""
     import dataclasses
-    from jaxllm.loader.loader import panel_state
-    from jaxllm.quantization import cpu
+    from jaxllm.kernels.cpu import panels as cpu_panels
     from test_models import PANEL_SHAPES
     src, out = str(tmp_path / "src"), str(tmp_path / "ckpt")
     make_tiny_checkpoint(src, "llama3", tokenizer_dir, **PANEL_SHAPES)
     packed = load_model(src, jnp.float32, load_tokenizer=False, quantization="w8a8")
     assert packed.quant.backend == "cpu"
     q = packed.state["layers"]["w_gate_up"]["q"][...]
-    assert q.dtype == jnp.int32 and q.shape == (2, 192 // cpu.PANEL, 96 // 4 + 1, cpu.PANEL)
-    plain = panel_state(packed.state, pack=False)
+    assert q.dtype == jnp.int32 and q.shape == (2, 192 // cpu_panels.PANEL, 96 // 4 + 1, cpu_panels.PANEL)
+    plain = cpu_panels.pack_state(packed.state, pack=False)
     codes = np.asarray(plain["layers"]["w_gate_up"]["q"][...])
     assert codes.dtype == np.int8 and codes.shape == (2, 192, 96)
     np.testing.assert_array_equal(np.asarray(q[:, :, -1]),
-                                  codes.astype(np.int32).sum(-1).reshape(2, 192 // cpu.PANEL, cpu.PANEL))
+                                  codes.astype(np.int32).sum(-1).reshape(2, 192 // cpu_panels.PANEL, cpu_panels.PANEL))
     ids = list(range(3, 20))
     np.testing.assert_array_equal(all_logits(dataclasses.replace(packed, state=plain), ids),
                                   all_logits(packed, ids))
@@ -318,7 +316,7 @@ def test_quantized_round_trip(source, tiny_llama, tokenizer_dir, tmp_path):
         hf = make_tiny_checkpoint(tmp_path / "hf", "llama3", tokenizer_dir)
         src, quant, tok = str(tmp_path / "q.gguf"), None, tokenizer_dir
         write_gguf(hf, src, qtype=gguf.GGMLQuantizationType.Q4_0)
-    out = jo.convert(src, str(tmp_path / "ckpt"), dtype="float32", quantization=quant, tokenizer=tok)
+    out = convert(src, str(tmp_path / "ckpt"), dtype="float32", quantization=quant, tokenizer=tok)
     meta = jo.read_metadata(out)
     ref = load_model(src, jnp.float32, tokenizer=tok, quantization=quant)
     assert meta["quantization"] == ref.quant.method == ("int4" if quant else "gguf")

@@ -17,7 +17,7 @@ from jaxllm.parallel import plan, runtime_arch
 HERE = os.path.dirname(__file__)
 
 
-def run_worker(model: str, sizes: str, backend: str = "xla") -> dict:
+def run_worker(model: str, sizes: str, backend: str = "cpu") -> dict:
     proc = subprocess.run([sys.executable, os.path.join(HERE, "tp_worker.py"), model, sizes],
                           capture_output=True, text=True, timeout=1200,
                           env={**os.environ, "JAXLLM_TEST_BACKEND": backend})

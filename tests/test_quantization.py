@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import make_tiny_checkpoint
-from jaxllm.layers.linear import uniform_policy
+from jaxllm.layers.dtype_policy import uniform_policy
 from jaxllm.loader import load_model
 from jaxllm.quantization import formats as F
 from jaxllm.quantization.qweight import QWeight, matmul_xla
@@ -127,8 +127,8 @@ CASES = {
 
 @pytest.mark.parametrize("case", sorted(CASES) + ["w8a8", "w8a8 smooth"])
 def test_cpu_kernels_match_the_xla_path(case):
-    from jaxllm.quantization import cpu
-    if not cpu.available():
+    from jaxllm.kernels.cpu import build, matmul as cpu_mm
+    if not build.available():
         pytest.fail("the CPU kernels did not build here (see the warning)")
     # 3 layers, N not a multiple of 4; for w8a8 also the packed kernel's shapes (N a multiple of
     # 16, from 8 rows), with K a multiple of 64 and not (its packing has a tail)
@@ -148,7 +148,7 @@ def test_cpu_kernels_match_the_xla_path(case):
             for layer in (0, 2):
                 ref = np.asarray(jax.jit(lambda x, w: matmul_xla(x, w, pol))(
                     x, QWeight(*parts, smooth, jnp.int32(layer), act, "xla")))
-                got = np.asarray(jax.jit(cpu.matmul)(x, QWeight(*parts, smooth, jnp.int32(layer), act, "cpu")))
+                got = np.asarray(jax.jit(cpu_mm.matmul)(x, QWeight(*parts, smooth, jnp.int32(layer), act, "cpu")))
                 if act == "int8":
                     # XLA:CPU divides through a reciprocal (not IEEE), so an activation on a
                     # rounding edge can take the neighbouring code there: the kernel must equal
@@ -190,13 +190,13 @@ def test_cpu_bf16_kernel_matches_numpy(out_major):
     """The CPU kernel for bf16 float weights (layers' stacks [L, K, N], a tied head [N, K])
     against numpy on the same bf16 values widened: every tiling remainder of rows (M),
     columns (N = 16 * 9 + 5: whole tiles, single vectors, scalar columns) and K."""
-    from jaxllm.quantization import cpu
-    if not cpu.available():
+    from jaxllm.kernels.cpu import build, matmul as cpu_mm
+    if not build.available():
         pytest.fail("the CPU kernels did not build here (see the warning)")
     K, N = 16 * 6 + 7, 16 * 9 + 5  # remainders in K too (a hidden size not a multiple of 16)
     w = jnp.asarray(RNG.standard_normal((3, N, K) if out_major else (3, K, N)), jnp.bfloat16)
     wf = np.asarray(w.astype(jnp.float32))
-    f = jax.jit(lambda x, w, i: cpu.dense_bf16(x, w, i, out_major))
+    f = jax.jit(lambda x, w, i: cpu_mm.dense_bf16(x, w, i, out_major))
     for M in (1, 2, 3, 4, 7, 9):
         x = RNG.standard_normal((M, K)).astype(np.float32)
         for layer in (0, 2):
@@ -218,7 +218,7 @@ def test_cpu_bf16_kernel_matches_numpy(out_major):
                 assert rel(got, x @ (wf[layer].T if out_major else wf[layer])) > 1e-4
     # one matrix (no stack) with leading batch dimensions
     x = RNG.standard_normal((2, 3, K)).astype(np.float32)
-    got = np.asarray(jax.jit(lambda x, w: cpu.dense_bf16(x, w, None, out_major))(x, w[1]))
+    got = np.asarray(jax.jit(lambda x, w: cpu_mm.dense_bf16(x, w, None, out_major))(x, w[1]))
     assert got.shape == (2, 3, N)
     assert rel(got, x @ (wf[1].T if out_major else wf[1])) < 1e-5
 
@@ -228,15 +228,15 @@ def test_cpu_w8a16_kernel_with_bf16_activations():
     w8a8's head): from 16 rows the codes are packed as bf16 pairs, below the float kernel runs;
     both give the exact product of the rounded activations and the dequantized weights, with a
     last panel of 16 columns (N = 112 = 48 + 48 + 16), and only the real rows."""
-    from jaxllm.quantization import cpu
-    if not cpu.available():
+    from jaxllm.kernels.cpu import build, matmul as cpu_mm
+    if not build.available():
         pytest.fail("the CPU kernels did not build here (see the warning)")
     N, K = 112, 224
     h = F.quantize_int8(RNG.standard_normal((3, N, K)).astype(np.float32)).compact()
     w = QWeight(jnp.asarray(h.q), jnp.asarray(h.scale), None, None, jnp.int32(2), "none", "cpu")
     g32 = F.quantize_int8(RNG.standard_normal((N, K)).astype(np.float32), 32)
     assert w.per_channel_int8 and not QWeight(jnp.asarray(g32.q), jnp.asarray(g32.scale)).per_channel_int8
-    f = jax.jit(lambda x, rows: cpu.matmul(x, w, rows, bf16_activations=True))
+    f = jax.jit(lambda x, rows: cpu_mm.matmul(x, w, rows, bf16_activations=True))
     for M in (3, 15, 16, 17, 64):
         x = np.asarray(jnp.asarray(RNG.standard_normal((M, K)), jnp.bfloat16).astype(jnp.float32))
         ref = x.astype(np.float64) @ h.dequantize()[2].T.astype(np.float64)
@@ -254,8 +254,8 @@ def test_cpu_kernels_multiply_only_the_real_rows(case):
     """A step padded to its bucket tells the kernels how many leading rows are real: their
     result is exactly that of the real rows alone (the same path: from 16 rows the bf16 kernel
     packs, from 8 the w8a8 one), and the padded rows come back as zeros, whatever they hold."""
-    from jaxllm.quantization import cpu
-    if not cpu.available():
+    from jaxllm.kernels.cpu import build, matmul as cpu_mm, panels as cpu_panels
+    if not build.available():
         pytest.fail("the CPU kernels did not build here (see the warning)")
     N, K, M = 96, 192, 64
     if case.startswith("bf16"):
@@ -263,7 +263,7 @@ def test_cpu_kernels_multiply_only_the_real_rows(case):
         w = jnp.asarray(RNG.standard_normal((3, N, K) if out_major else (3, K, N)), jnp.bfloat16)
 
         def run(x, rows):
-            return cpu.dense_bf16(x, w, jnp.int32(2), out_major, rows)
+            return cpu_mm.dense_bf16(x, w, jnp.int32(2), out_major, rows)
     else:
         h = CASES.get(case, CASES["int8 per channel"])(RNG.standard_normal((3, N, K)).astype(np.float32))
         act = "int8" if case.startswith("w8a8") else "int8_block" if "int8 blocks" in case else "none"
@@ -271,10 +271,10 @@ def test_cpu_kernels_multiply_only_the_real_rows(case):
         qw = QWeight(*[None if a is None else jnp.asarray(a) for a in (h.q, h.scale, h.offset)],
                      smooth, jnp.int32(2), act, "cpu")
         if case.endswith("panels"):
-            qw = dataclasses.replace(qw, q=cpu.to_i8_panels(qw.q))
+            qw = dataclasses.replace(qw, q=cpu_panels.to_i8_panels(qw.q))
 
         def run(x, rows):
-            return cpu.matmul(x, qw, rows)
+            return cpu_mm.matmul(x, qw, rows)
     f = jax.jit(run)
     x = RNG.standard_normal((M, K)).astype(np.float32) * 3
     for rows in (0, 1, 7, 8, 15, 16, 17, 40, M):
@@ -289,22 +289,22 @@ def test_cpu_kernels_multiply_only_the_real_rows(case):
 
 @pytest.mark.parametrize("case", ["w8a8", "w8a8 smooth", "w8a8 panels", "w8a8 smooth panels",
                                   "w8a16 bf16 activations", "bf16 in_out", "bf16 out_in", "bf16 panels"])
-def test_cpu_amx_and_avx512_kernels_agree(case, monkeypatch):
+def test_cpu_amx_and_avx512_kernels_agree(case, cpu_amx):
     """Where the CPU has AMX and Linux grants it, the packed kernels multiply on its tiles;
-    JAXLLM_CPU_AMX=0 keeps them on AVX-512. w8a8's integer sums are the same (equal results);
+    cpu_amx=False keeps them on AVX-512. w8a8's integer sums are the same (equal results);
     bf16 products are summed in another order. Rows that are not a multiple of the tiles' 16
     leave the padding out; N = 112 ends on a panel of one tile. w8a8's panels packed at load
     give exactly what its codes packed per call do, at every row count."""
-    from jaxllm.quantization import cpu
-    if not cpu.available():
+    from jaxllm.kernels.cpu import build, matmul as cpu_mm, panels as cpu_panels
+    if not build.available():
         pytest.fail("the CPU kernels did not build here (see the warning)")
     N, K = (144 if case.endswith("panels") else 112), 256
     smooth = None
     if case.startswith("bf16"):
         out_major, panels = case.endswith("out_in"), case.endswith("panels")
         w = jnp.asarray(RNG.standard_normal((3, N, K) if out_major else (3, K, N)), jnp.bfloat16)
-        wk = cpu.to_panels(w) if panels else w
-        f = jax.jit(lambda x: cpu.dense_bf16(x, wk, jnp.int32(2), out_major, panels=panels))
+        wk = cpu_panels.to_panels(w) if panels else w
+        f = jax.jit(lambda x: cpu_mm.dense_bf16(x, wk, jnp.int32(2), out_major, panels=panels))
         wf = np.asarray(w[2].astype(jnp.float32), np.float64)
         matrix = wf.T if out_major else wf
     else:
@@ -314,27 +314,27 @@ def test_cpu_amx_and_avx512_kernels_agree(case, monkeypatch):
         qw = QWeight(jnp.asarray(h.q), jnp.asarray(h.scale), None,
                      None if smooth is None else jnp.asarray(smooth), jnp.int32(2),
                      "int8" if case.startswith("w8a8") else "none", "cpu")
-        f = jax.jit(lambda x: cpu.matmul(x, qw, bf16_activations=case.startswith("w8a16")))
+        f = jax.jit(lambda x: cpu_mm.matmul(x, qw, bf16_activations=case.startswith("w8a16")))
         matrix = h.dequantize()[2].T.astype(np.float64)
         if case.endswith("panels"):
             unpacked = f
-            qw = dataclasses.replace(qw, q=cpu.to_i8_panels(qw.q))
-            np.testing.assert_array_equal(np.asarray(cpu.from_i8_panels(qw.q)), h.q)
-            f = jax.jit(lambda x: cpu.matmul(x, qw))
+            qw = dataclasses.replace(qw, q=cpu_panels.to_i8_panels(qw.q))
+            np.testing.assert_array_equal(np.asarray(cpu_panels.from_i8_panels(qw.q)), h.q)
+            f = jax.jit(lambda x: cpu_mm.matmul(x, qw))
     for M in (1, 3, 4, 8, 16, 17, 40):  # bf16 on AMX from 4 rows, w8a8 from 8 (its panels from 5)
         x = RNG.standard_normal((M, K)).astype(np.float32) * 3
         if not case.startswith("w8a8"):  # the bf16 policy's activations
             x = np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
-        monkeypatch.delenv("JAXLLM_CPU_AMX", raising=False)
+        cpu_amx(True)
         tiles = np.asarray(f(x))
-        monkeypatch.setenv("JAXLLM_CPU_AMX", "0")
-        assert not cpu.amx()
+        cpu_amx(False)
+        assert not build.amx()
         avx = np.asarray(f(x))
         if case.startswith("w8a8"):
             np.testing.assert_array_equal(tiles, avx, err_msg=f"{case} M={M}")
             if case.endswith("panels"):
                 np.testing.assert_array_equal(avx, np.asarray(unpacked(x)), err_msg=f"{case} M={M}")
-                monkeypatch.delenv("JAXLLM_CPU_AMX", raising=False)
+                cpu_amx(True)
                 np.testing.assert_array_equal(tiles, np.asarray(unpacked(x)), err_msg=f"{case} M={M}")
         else:
             assert rel(tiles, avx) < 1e-6, (case, M)
@@ -343,7 +343,7 @@ def test_cpu_amx_and_avx512_kernels_agree(case, monkeypatch):
         assert rel(avx, exact) < (2e-2 if case.startswith("w8a8") else 1e-6), (case, M)
 
 
-def test_cpu_fp8_kernel_multiplies_as_fp8(monkeypatch):
+def test_cpu_fp8_kernel_multiplies_as_fp8(cpu_amx):
     """fp8 weights on the CPU kernels (XLA:CPU emulates an fp8 dot): activations rounded per
     row to e4m3 as XLA rounds them, both operands multiplied as bf16 (exact), on AMX's tiles
     and on AVX-512, at row counts on both sides of the tiles' 4 and 16: equal to the XLA path
@@ -351,8 +351,8 @@ def test_cpu_fp8_kernel_multiplies_as_fp8(monkeypatch):
     zero; a shape the kernel does not take stays on XLA."""
     import ml_dtypes
 
-    from jaxllm.quantization import cpu
-    if not cpu.available():
+    from jaxllm.kernels.cpu import build, matmul as cpu_mm
+    if not build.available():
         pytest.fail("the CPU kernels did not build here (see the warning)")
     N, K = 112, 256
     w = RNG.standard_normal((3, N, K)).astype(np.float32)
@@ -360,8 +360,8 @@ def test_cpu_fp8_kernel_multiplies_as_fp8(monkeypatch):
     q = jnp.asarray(np.stack([h.q for h in hs]))
     scale = jnp.asarray(np.stack([h.scale for h in hs]))
     qw = QWeight(q, scale, None, None, jnp.int32(2), "fp8", "cpu")
-    assert cpu.fp8_apply(qw)
-    kernel = jax.jit(lambda x, rows=None: cpu.matmul(x, qw, rows))
+    assert cpu_mm.fp8_apply(qw)
+    kernel = jax.jit(lambda x, rows=None: cpu_mm.matmul(x, qw, rows))
     xla = jax.jit(lambda x: matmul_xla(x, dataclasses.replace(qw, backend="xla"),
                                        uniform_policy(jnp.float32)))
     wq = hs[2].q.astype(np.float64) * hs[2].scale.astype(np.float64)
@@ -371,9 +371,9 @@ def test_cpu_fp8_kernel_multiplies_as_fp8(monkeypatch):
         s = np.abs(x).max(-1, keepdims=True) / np.float32(448.0)
         xq = (x / s).astype(ml_dtypes.float8_e4m3fn).astype(np.float64) * s
         exact = xq @ wq.T
-        monkeypatch.delenv("JAXLLM_CPU_AMX", raising=False)
+        cpu_amx(True)
         tiles = np.asarray(kernel(x))
-        monkeypatch.setenv("JAXLLM_CPU_AMX", "0")
+        cpu_amx(False)
         avx = np.asarray(kernel(x))
         ref = np.asarray(xla(x))
         for got in (tiles, avx):
@@ -383,7 +383,7 @@ def test_cpu_fp8_kernel_multiplies_as_fp8(monkeypatch):
         np.testing.assert_array_equal(padded[M:], 0)
         np.testing.assert_array_equal(padded[:M], avx)
     odd = dataclasses.replace(qw, q=q[:, :, :40], scale=scale)  # K = 40: not a multiple of 32
-    assert not cpu.fp8_apply(odd)
+    assert not cpu_mm.fp8_apply(odd)
     # each activation's rounding, seen through 448 times the identity: ties to even among
     # normals (17 -> 16, 19 -> 20) and subnormals (multiples of 2^-9), the row's top at 448
     eye = F.quantize_fp8(np.eye(32, dtype=np.float32) * 448)
@@ -396,7 +396,7 @@ def test_cpu_fp8_kernel_multiplies_as_fp8(monkeypatch):
     xq = (x / s).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
     assert list(xq[0, 1:8]) == [16, 20, -16, 0, 2 * sub, 2 * sub, -2 * sub]
     want = (xq * np.float32(448)) * s * eye.scale[:, 0]
-    np.testing.assert_array_equal(np.asarray(jax.jit(lambda x: cpu.matmul(x, iw))(x)), want)
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda x: cpu_mm.matmul(x, iw))(x)), want)
 
 
 @pytest.mark.parametrize("kind,group,N,K,M", [("int4", 32, 96, 128, 5), ("int4", 128, 64, 256, 20),
@@ -464,39 +464,42 @@ def test_online_weight_only_equals_its_dequantized_weights(tiny_hf, method):
     assert rel(all_logits(loaded, IDS), hf_logits(ref_model, IDS)) < 1e-4
 
 
-def test_pallas_backend_in_the_model(tiny_hf, monkeypatch):
+def test_pallas_backend_in_the_model(tiny_hf):
     """int4 weights through the GPU kernel (interpreted): the same logits as XLA's dots."""
     path, _ = tiny_hf
-    monkeypatch.setenv("JAXLLM_QUANT_BACKEND", "pallas_interpret")
-    kernel = load_model(path, jnp.float32, load_tokenizer=False, quantization="int4")
+    kernel = load_model(path, jnp.float32, load_tokenizer=False, quantization="int4",
+                        matmul_backend="pallas_interpret")
     assert kernel.quant.backend == "pallas_interpret"
-    monkeypatch.setenv("JAXLLM_QUANT_BACKEND", "xla")
-    xla = load_model(path, jnp.float32, load_tokenizer=False, quantization="int4")
+    xla = load_model(path, jnp.float32, load_tokenizer=False, quantization="int4", matmul_backend="xla")
     assert rel(all_logits(kernel, IDS[:12]), all_logits(xla, IDS[:12])) < 1e-5
 
 
-def test_int4_with_int8_block_activations(tiny_hf, monkeypatch):
-    """JAXLLM_INT4_ACTIVATIONS=int8: 4-bit matrices in the CPU kernels multiply activations
+def test_int4_with_int8_block_activations(tiny_hf):
+    """int4_activations="int8": 4-bit matrices in the CPU kernels multiply activations
     rounded to int8 per block of 32 (the default keeps them float, exact to the dequantized
     weights): the logits move, but stay near the float-activation ones."""
+    from jaxllm.cli import main
+    from jaxllm.config import EngineConfig
     from jaxllm.quantization import QuantLayout, QuantSpec
     path, _ = tiny_hf
     exact = all_logits(load_model(path, jnp.float32, load_tokenizer=False, quantization="int4"), IDS)
-    monkeypatch.setenv("JAXLLM_INT4_ACTIVATIONS", "int8")
-    blocks = all_logits(load_model(path, jnp.float32, load_tokenizer=False, quantization="int4"), IDS)
+    blocks = all_logits(load_model(path, jnp.float32, load_tokenizer=False, quantization="int4",
+                                   int4_activations="int8"), IDS)
     assert 0 < rel(blocks, exact) < 0.05
     # only where the kernel's blocks fit: groups of 32s, inputs of 64s, the CPU kernels
-    spec = QuantSpec("int4", (("a", QuantLayout("int4", 32, True)), ("b", QuantLayout("int4", 16, True))), "cpu")
+    spec = QuantSpec("int4", (("a", QuantLayout("int4", 32, True)), ("b", QuantLayout("int4", 16, True))),
+                     "cpu", "int8")
     assert (spec.act_of("a", 128), spec.act_of("a", 96), spec.act_of("b", 128)) == ("int8_block", "none", "none")
-    assert QuantSpec("int4", spec.layouts, "xla").act_of("a", 128) == "none"
-    monkeypatch.setenv("JAXLLM_INT4_ACTIVATIONS", "int4")
-    for backend in ("cpu", "xla"):  # refused wherever it is read, not only where it applies
-        with pytest.raises(ValueError, match="JAXLLM_INT4_ACTIVATIONS"):
-            QuantSpec("int4", spec.layouts, backend).act_of("a", 128)
+    assert QuantSpec("int4", spec.layouts, "xla", "int8").act_of("a", 128) == "none"
+    assert QuantSpec("int4", spec.layouts, "cpu").act_of("a", 128) == "none"
+    with pytest.raises(ValueError, match="int4_activations must be one of"):
+        EngineConfig(int4_activations="int4")
+    with pytest.raises(SystemExit):  # the flag offers the same choices
+        main(["generate", "--int4-activations", "int4"])
 
 
 @pytest.mark.parametrize("method", ["w8a8", "fp8"])
-def test_activation_quantized_methods(tiny_hf, method, monkeypatch):
+def test_activation_quantized_methods(tiny_hf, method):
     """W8A8 and FP8 quantize activations per token (the head stays float): the CPU kernels equal
     the XLA path, and the logits stay near the float model's."""
     path, hf = tiny_hf
@@ -505,8 +508,7 @@ def test_activation_quantized_methods(tiny_hf, method, monkeypatch):
     assert "layers.wqkv" in layouts
     assert not {"embed_tokens", "lm_head"} & set(layouts)  # the head stays float
     ours = all_logits(loaded, IDS)
-    monkeypatch.setenv("JAXLLM_CPU_KERNELS", "0")
-    xla = load_model(path, jnp.float32, load_tokenizer=False, quantization=method)
+    xla = load_model(path, jnp.float32, load_tokenizer=False, quantization=method, matmul_backend="xla")
     assert xla.quant.backend == "xla"
     assert rel(ours, all_logits(xla, IDS)) < 1e-4
     assert rel(ours, hf_logits(hf, IDS)) < 0.05
@@ -760,7 +762,7 @@ def outlier_hf(tiny_hf, tmp_path_factory, tokenizer_dir):
     return str(d), model
 
 
-def test_smoothquant_in_a_tiny_llama(outlier_hf, monkeypatch):
+def test_smoothquant_in_a_tiny_llama(outlier_hf):
     """w8a8 with SmoothQuant calibrated at load: the layer matrices carry smoothing vectors
     (the head stays float), the logits stay near the float model's and, with activation
     outliers, much nearer than plain w8a8's; the CPU kernels equal the XLA path."""
@@ -778,8 +780,8 @@ def test_smoothquant_in_a_tiny_llama(outlier_hf, monkeypatch):
     got, base = all_logits(smooth, IDS), all_logits(plain, IDS)
     assert rel(got, ref) < 0.05
     assert rel(got, ref) < 0.5 * rel(base, ref), (rel(got, ref), rel(base, ref))
-    monkeypatch.setenv("JAXLLM_CPU_KERNELS", "0")
-    xla = load_model(path, jnp.float32, load_tokenizer=False, quantization="w8a8", smoothquant_alpha=0.5)
+    xla = load_model(path, jnp.float32, load_tokenizer=False, quantization="w8a8", smoothquant_alpha=0.5,
+                     matmul_backend="xla")
     assert xla.quant.backend == "xla" and smooth.quant.backend == "cpu"
     assert rel(got, all_logits(xla, IDS)) < 1e-4
 

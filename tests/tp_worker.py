@@ -23,7 +23,7 @@ def main():
         try:
             llm = LLM(model, tensor_parallel_size=tp, dtype="float32", max_num_seqs=4, max_num_batched_tokens=64,
                       max_model_len=256, warmup=False, enable_prefix_caching=False,
-                      attention_backend=os.environ.get("JAXLLM_TEST_BACKEND", "xla"),
+                      attention_backend=os.environ.get("JAXLLM_TEST_BACKEND", "cpu"),
                       quantization=os.environ.get("JAXLLM_TEST_QUANT") or None)
         except ValueError as e:
             out[tp] = {"error": str(e)}

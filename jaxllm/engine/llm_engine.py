@@ -17,13 +17,17 @@ from jaxllm.core.scheduler import Scheduler
 from jaxllm.engine.input_processor import EngineRequest, InputProcessor
 from jaxllm.engine.output_processor import OutputProcessor
 from jaxllm.engine.outputs import RequestOutput
-from jaxllm.layers.linear import resolve_policy
+from jaxllm.kernels import matmul_backend
+from jaxllm.kernels.cpu import build as cpu_build
+from jaxllm.layers.dtype_policy import resolve_policy
 from jaxllm.loader import load_model
 from jaxllm.parallel import make_mesh
 from jaxllm.parallel import multiprocess as mp
 from jaxllm.quantization import kv as kvq
-from jaxllm.runner import executable_cache
-from jaxllm.runner.model_runner import InFlight, ModelRunner, kv_bytes_per_block
+from jaxllm import executable_cache
+from jaxllm.runner.kv_cache import kv_bytes_per_block
+from jaxllm.runner.model_runner import ModelRunner
+from jaxllm.runner.outputs import InFlight
 from jaxllm.core.scheduler import SchedulerOutput
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.structured_output.manager import StructuredOutputManager
@@ -33,11 +37,11 @@ logger = logging.getLogger("jaxllm")
 DEFAULT_CPU_KV_BYTES = 1 << 30
 
 
-def setup_compilation_cache(cache_dir: str | None) -> None:
-    """jaxllm's executable cache, or (JAXLLM_EXECUTABLE_CACHE=0) JAX's persistent cache. Not
-    both: an executable JAX's cache loads cannot be serialized whole again (executable_cache),
-    so with JAX's cache on, a step it holds would never reach ours."""
-    executable_cache.configure(cache_dir)
+def setup_compilation_cache(cache_dir: str | None, executables: bool = True) -> None:
+    """jaxllm's executable cache, or (executables=False) JAX's persistent cache. Not both: an
+    executable JAX's cache loads cannot be serialized whole again (executable_cache), so with
+    JAX's cache on, a step it holds would never reach ours."""
+    executable_cache.configure(cache_dir if executables else None)
     if not cache_dir or executable_cache.enabled():
         return
     jax.config.update("jax_compilation_cache_dir", cache_dir)
@@ -118,19 +122,26 @@ class LLMEngine:
         claim_device_memory(config.gpu_memory_utilization)
         if config.num_processes > 1:  # before anything touches a device
             mp.initialize(config.distributed_coordinator, config.num_processes, config.process_id)
-        setup_compilation_cache(config.compilation_cache_dir)
+        setup_compilation_cache(config.compilation_cache_dir, config.executable_cache)
         platform = jax.default_backend()
-        # weights' storage and the dots' dtypes per platform (jaxllm.layers.linear)
-        self.policy = resolve_policy(config.dtype, platform,
-                                     config.tensor_parallel_size * config.num_processes)
+        # where matmuls run, then the weights' storage and the dots' dtypes for it
+        self.matmul_backend = matmul_backend(
+            platform, config.tensor_parallel_size * config.num_processes, config.matmul_backend,
+            config.cpu_kernels)
+        if platform == "cpu" and config.cpu_kernels and cpu_build.available():
+            cpu_build.set_amx(config.cpu_amx)
+        self.policy = resolve_policy(config.dtype, platform, self.matmul_backend)
         if config.attention_backend == "auto":
-            config.attention_backend = "pallas" if platform == "gpu" else "xla"
+            config.attention_backend = ("pallas" if platform == "gpu" else
+                                        "cpu" if config.cpu_kernels else "xla")
         self.mesh = make_mesh(config.tensor_parallel_size)
         load_start = time.perf_counter()
         loaded = load_model(config.model, self.policy, config.load_format, config.seed,
                             config.tokenizer, attention_backend=config.attention_backend,
                             mesh=self.mesh, quantization=config.quantization,
-                            smoothquant_alpha=config.smoothquant_alpha)
+                            smoothquant_alpha=config.smoothquant_alpha,
+                            matmul_backend=self.matmul_backend,
+                            int4_activations=config.int4_activations)
         self.load_seconds = time.perf_counter() - load_start
         # the KV cache's storage: bf16 when asked, and for "auto" the dtype the model's float
         # weights are stored in, as vLLM's auto (a CPU's bf16 policy: attention reads half the
@@ -141,7 +152,7 @@ class LLMEngine:
             config.kv_cache_dtype == "auto" and self.policy.weight == jnp.bfloat16
             and loaded.quant is None)
         self.dtype = jnp.bfloat16 if kv_bf16 else self.policy.activation
-        if platform == "cpu" and self.dtype == jnp.bfloat16 and config.attention_backend == "xla":
+        if platform == "cpu" and self.dtype == jnp.bfloat16 and config.attention_backend != "pallas":
             self.dtype = kvq.BF16_BITS
         self.arch = loaded.arch
         self.tokenizer = loaded.tokenizer
@@ -157,7 +168,8 @@ class LLMEngine:
         if spec is not None and spec.method == "draft_model":
             from jaxllm.spec_decode.draft_model import check_draft
             draft = load_model(spec.model, self.policy, "auto", config.seed,
-                               attention_backend=config.attention_backend, mesh=self.mesh)
+                               attention_backend=config.attention_backend, mesh=self.mesh,
+                               matmul_backend=self.matmul_backend)
             check_draft(draft, loaded, config.max_model_len)
         bs = config.block_size
         # a draft model's cache has the same blocks as the target's: a block costs both
@@ -209,7 +221,8 @@ class LLMEngine:
         # huge pages under the weights and the KV cache (a CPU's TLB), asked for on a thread
         # (bytes collapsed to huge pages, bytes asked for only), once that thread has finished
         self.huge_page_bytes: tuple[int, int] | None = None
-        if platform == "cpu":
+        self._huge_pages = None
+        if platform == "cpu" and config.huge_pages:
             from jaxllm.runner.huge_pages import advise_in_background
             drafter = self.runner.drafter
             arrays = (self.runner.state, self.runner.kv_cache) + (
@@ -220,11 +233,11 @@ class LLMEngine:
         if config.warmup:
             self.compile_seconds = self.runner.compile_all(
                 background=config.compile_in_background)
-            r = self.runner
-            total = len(r.shapes.all) + len(r.sample_buckets) + len(r.passes_shapes)
+            c = self.runner.compiler
+            total = len(c.shapes.all) + len(c.sample_buckets) + len(c.passes_shapes)
             logger.info("compiled %d of %d step executables (forward %d, sampling %d, "
-                        "multi-step %d) in %.1f s", min(r.num_compiled, total), total,
-                        len(r.shapes.all), len(r.sample_buckets), len(r.passes_shapes),
+                        "multi-step %d) in %.1f s", min(c.num_compiled, total), total,
+                        len(c.shapes.all), len(c.sample_buckets), len(c.passes_shapes),
                         self.compile_seconds)
             near_memory_map_limit()
         self._rng = np.random.default_rng(config.seed)

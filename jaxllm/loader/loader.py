@@ -346,7 +346,7 @@ def load_model(model: str | None, policy, load_format: str = "auto", seed: int =
             else:
                 smooth = None
                 if smooth_on:
-                    from jaxllm.quantization.smoothquant import smoothing
+                    from jaxllm.loader.calibration import smoothing
                     tok_for = _calibration_tokenizer(tok_future, tokenizer or path,
                                                      None if tokenizer else gguf_file)
                     graphdef, state = _float_model(cls, ckpt_arch, weights, policy)

@@ -19,7 +19,7 @@ import numpy as np
 
 from jaxllm.lora.peft import Adapter, LoRALayout
 from jaxllm.parallel import sharding
-from jaxllm.runner import executable_cache
+from jaxllm import executable_cache
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.runner import executable_cache
+from jaxllm import executable_cache
 
 GROUP = 16  # blocks per gather / scatter call
 

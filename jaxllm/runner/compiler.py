@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from tqdm.auto import tqdm
 
-from jaxllm.runner import executable_cache
+from jaxllm import executable_cache
 from jaxllm.runner.buckets import StepShapes
 from jaxllm.runner.rejection_sampler import num_verify_rows
 from jaxllm.runner.step_programs import (abstract_sample_inputs, abstract_step_inputs,

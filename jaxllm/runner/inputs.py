@@ -13,7 +13,7 @@ import numpy as np
 
 from jaxllm.core.scheduler import SchedulerOutput
 from jaxllm.layers.attention import AttentionMetadata
-from jaxllm.runner.attention_metadata import attention_metadata
+from jaxllm.layers.attention_metadata import attention_metadata
 from jaxllm.runner.buckets import StepShapes
 from jaxllm.runner.input_batch import COLUMNS, InputBatch
 from jaxllm.runner.outputs import DispatchedStep

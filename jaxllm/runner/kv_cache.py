@@ -9,15 +9,10 @@ from __future__ import annotations
 
 import jax
 
-from jaxllm.core.kv_cache_manager import cdiv
-from jaxllm.layers.attention import kv_chunk
+from jaxllm.layers.attention_metadata import kv_cache_shape
 from jaxllm.models import get_model_class
 from jaxllm.parallel import sharding
 from jaxllm.quantization import kv as kvq
-
-
-def kv_cache_shape(arch, num_blocks: int, block_size: int) -> tuple[int, ...]:
-    return (arch.num_layers, 2, arch.num_kv_heads, num_blocks * block_size, arch.head_dim)
 
 
 def kv_bytes_per_block(arch, block_size: int, dtype, kv_cache_dtype: str = "auto") -> int:
@@ -29,13 +24,6 @@ def kv_cache_sharding(mesh, arch, cache):
     """The cache's shardings, shaped like the cache, from the model's KV axes."""
     axes = kvq.cache_axes(get_model_class(arch.architecture).KV_CACHE_AXES, cache)
     return jax.tree.map(lambda a: sharding(mesh, *a), axes, is_leaf=lambda x: isinstance(x, tuple))
-
-
-def table_width(max_model_len: int, block_size: int) -> int:
-    """Block-table columns: enough for max_model_len, rounded up to whole attention chunks
-    so that the attention loop's chunked slices of a row never run off its end."""
-    per_chunk = kv_chunk(block_size) // block_size
-    return cdiv(cdiv(max_model_len, block_size), per_chunk) * per_chunk
 
 
 def allocate_kv_cache(mesh, arch, num_blocks: int, block_size: int, dtype,

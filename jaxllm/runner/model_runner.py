@@ -23,15 +23,15 @@ from jaxllm.layers.attention import q_tile_size
 from jaxllm.parallel import make_mesh, platform_of, sharding
 from jaxllm.parallel import multiprocess as mp
 from jaxllm.parallel.leader import Leader, call_args, device_put, to_host
-from jaxllm.runner import executable_cache
+from jaxllm import executable_cache
 # (jaxllm.quantization.smoothquant reads attention_metadata and kv_cache_shape from here)
-from jaxllm.runner.attention_metadata import attention_metadata  # noqa: F401
 from jaxllm.runner.block_ops import BlockOps
 from jaxllm.runner.buckets import StepShapes, make_buckets
 from jaxllm.runner.compiler import StepCompiler, StepPrograms, abstract
 from jaxllm.runner.input_batch import InputBatch
 from jaxllm.runner.inputs import InputPreparer
-from jaxllm.runner.kv_cache import allocate_kv_cache, kv_cache_shape, table_width  # noqa: F401
+from jaxllm.runner.kv_cache import allocate_kv_cache
+from jaxllm.layers.attention_metadata import table_width
 from jaxllm.runner.outputs import (DispatchedStep, ForwardOutput, InFlight, Logprobs,
                                    PassesOutput, RunnerOutput)
 from jaxllm.runner.rejection_sampler import VerifyOutput, init_spec_state
@@ -46,7 +46,7 @@ logger = logging.getLogger(__name__)
 class ModelRunner:
     def __init__(self, loaded, dtype, num_blocks: int, block_size: int, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, num_host_blocks: int = 0,
-                 attention_backend: str = "xla", kv_cache_dtype: str = "auto", lora=None,
+                 attention_backend: str = "cpu", kv_cache_dtype: str = "auto", lora=None,
                  num_spec_tokens: int = 0, spec_probabilistic: bool = False,
                  num_scheduler_steps: int = 1):
         self.arch = loaded.arch
@@ -74,7 +74,7 @@ class ModelRunner:
         self.replicated = sharding(self.mesh)
         self.kv_cache_dtype = kv_cache_dtype
         # XLA's attention on a CPU keeps an fp8 cache as bytes (kv.FP8_BITS), as a bf16 one
-        self.kv_bits = platform == "cpu" and attention_backend == "xla"
+        self.kv_bits = platform == "cpu" and attention_backend != "pallas"
         self.kv_cache, self.kv_sharding, kv_shapes = allocate_kv_cache(
             self.mesh, self.arch, num_blocks, block_size, dtype, kv_cache_dtype, self.kv_bits)
         self.sampler_state = jax.jit(lambda: init_state(max_num_seqs, self.vocab),

@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 
 from jaxllm.core.block_pool import NULL_BLOCK
 from jaxllm.layers.attention import AttentionMetadata, max_tiles
-from jaxllm.runner import executable_cache
+from jaxllm import executable_cache
 from jaxllm.runner.block_ops import BlockOps
 from jaxllm.runner.kv_cache import allocate_kv_cache
 from jaxllm.runner.rejection_sampler import DRAFT_STREAM, _stream_key

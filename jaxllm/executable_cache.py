@@ -77,7 +77,7 @@ class Uncachable(Exception):
     """A value whose description would differ between processes."""
 
 
-PROJECT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the directories whose modules a trace runs: the engine and the Pallas kernels
 SOURCES = ("jaxllm", "pallas_kernels")
 

@@ -1,10 +1,25 @@
-"""AttentionMetadata of one step, built on the host from the step's numpy layout."""
+"""The paged layout the attention layer reads: the cache's shape, the block table's width, and
+AttentionMetadata of one step built on the host from the step's numpy layout (the runner's
+input preparation and SmoothQuant's calibration pass both build it here)."""
 from __future__ import annotations
 
 import numpy as np
 
 from jaxllm.core.block_pool import NULL_BLOCK
-from jaxllm.layers.attention import AttentionMetadata, max_tiles, q_tile_size
+from jaxllm.core.kv_cache_manager import cdiv
+from jaxllm.layers.attention import AttentionMetadata, kv_chunk, max_tiles, q_tile_size
+
+
+def kv_cache_shape(arch, num_blocks: int, block_size: int) -> tuple[int, ...]:
+    """[layers, 2, kv_heads, slots, head_dim], slot = block * block_size + offset."""
+    return (arch.num_layers, 2, arch.num_kv_heads, num_blocks * block_size, arch.head_dim)
+
+
+def table_width(max_model_len: int, block_size: int) -> int:
+    """Block-table columns: enough for max_model_len, rounded up to whole attention chunks
+    so that the attention loop's chunked slices of a row never run off its end."""
+    per_chunk = kv_chunk(block_size) // block_size
+    return cdiv(cdiv(max_model_len, block_size), per_chunk) * per_chunk
 
 
 def attention_metadata(starts: np.ndarray, n: np.ndarray, tables: np.ndarray, T: int, S: int,
