@@ -40,7 +40,8 @@ PREEMPTION_MODES = ("recompute", "swap")
 
 @dataclass
 class NewRequestData:
-    """A request the runner has no state for: sent in full once."""
+    """A request the runner has no state for: sent in full once, with the facts its request
+    decided (jaxllm.core.request), which the runner reads rather than decides again."""
     req_id: str
     token_ids: list[int]
     num_prompt_tokens: int
@@ -51,6 +52,18 @@ class NewRequestData:
     eos_token_id: int | None = None
     bad_word_ids: list[list[int]] | None = None
     lora_id: int | None = None  # the adapter's key (jaxllm.lora.registry); None: the base model
+    stop_ids: frozenset[int] = frozenset()  # banned until min_tokens are out
+    banned_token_ids: list[int] = field(default_factory=list)  # one-token bad words
+    multi_token_bad_words: list[list[int]] | None = None
+    num_logprobs: int = -1         # per sampled token; -1: none
+    num_prompt_logprobs: int = -1  # per prompt token; -1: none
+
+    @classmethod
+    def from_request(cls, req: Request, block_ids: list[int]) -> "NewRequestData":
+        return cls(req.request_id, list(req.all_token_ids), req.num_prompt_tokens, block_ids,
+                   req.num_computed_tokens, req.sampling_params, req.seed, req.eos_token_id,
+                   req.bad_word_ids, req.lora_id, req.stop_ids, req.banned_token_ids,
+                   req.multi_token_bad_words, req.num_logprobs, req.num_prompt_logprobs)
 
 
 @dataclass
@@ -128,6 +141,7 @@ class Scheduler:
         self.running: list[Request] = []
         self._held: dict[str, Request] = {}  # n > 1 siblings waiting for their leader's prompt
         self._finished_ids: set[str] = set()
+        self._num_needing_host_tokens = 0  # live requests with Request.needs_host_tokens
         self._known_to_runner: set[str] = set()
         # forks' copy-on-write block copies for the next step: request id -> (src, dst)
         self._pending_copies: dict[str, tuple[int, int]] = {}
@@ -160,6 +174,7 @@ class Scheduler:
         for sib in siblings:
             self.requests[sib.request_id] = sib
             self._held[sib.request_id] = sib
+        self._num_needing_host_tokens += sum(r.needs_host_tokens for r in (request, *siblings))
         request.forks = list(siblings)
         self._enqueue(request)
 
@@ -172,7 +187,24 @@ class Scheduler:
         else:
             self.waiting.append(request)
 
+    def finish_request(self, request: Request, status: RequestStatus,
+                       stop_reason: int | str | None = None, num_dropped_tokens: int = 0) -> None:
+        """End a request from outside the step's own stop checks (a stop string, a grammar,
+        an abort): the one way its status and stop reason change there. `num_dropped_tokens`:
+        its last output tokens are taken back (a stop string ended the text before them).
+        A request already finished takes the new status (a stop string or a grammar found
+        complete on the token that hit a length limit: the stop wins); one the scheduler
+        never held (its grammar failed to compile) is only marked."""
+        request.drop_last_output_tokens(num_dropped_tokens)
+        if stop_reason is not None:
+            request.stop_reason = stop_reason
+        if not request.status.finished and self.requests.get(request.request_id) is request:
+            self._finish(request, status)
+        else:
+            request.status = status
+
     def finish_requests(self, request_ids, status: RequestStatus) -> list[Request]:
+        """End the live requests among `request_ids` (unknown or finished ones are skipped)."""
         finished = []
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
             req = self.requests.get(rid)
@@ -214,9 +246,16 @@ class Scheduler:
         self.kv.free(req)
         del self.requests[req.request_id]
         self._finished_ids.add(req.request_id)
+        self._num_needing_host_tokens -= req.needs_host_tokens
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running or self._held)
+
+    @property
+    def needs_host_tokens(self) -> bool:
+        """A live request samples from tokens the host must know first (multi-token bad
+        words): no step may be scheduled before the previous one is read."""
+        return self._num_needing_host_tokens > 0
 
     @property
     def num_waiting(self) -> int:
@@ -246,8 +285,7 @@ class Scheduler:
         for req in self.running:
             if (len(req.all_token_ids) + req.num_output_placeholders - req.num_computed_tokens != 1
                     or req.grammar is not None or req.spec_token_ids
-                    # multi-token bad words ban by the tokens before: the host must know them
-                    or req.bad_word_ids and any(len(w) > 1 for w in req.bad_word_ids)):
+                    or req.needs_host_tokens):
                 return 1
         return k
 
@@ -385,11 +423,7 @@ class Scheduler:
                 cached_reqs.append(CachedRequestData(rid, new_blocks[rid], start))
             else:
                 self._known_to_runner.add(rid)
-                new_reqs.append(NewRequestData(
-                    rid, list(req.all_token_ids), req.num_prompt_tokens,
-                    list(self.kv.get_blocks(rid)), start,
-                    req.sampling_params, req.seed, req.eos_token_id, req.bad_word_ids,
-                    req.lora_id))
+                new_reqs.append(NewRequestData.from_request(req, list(self.kv.get_blocks(rid))))
             # the counts advance here, once: the runner mirrors what this output says
             self.num_prompt_tokens += max(0, min(start + n, req.num_prompt_tokens) - start)
             req.num_computed_tokens = start + n

@@ -32,6 +32,33 @@ def validate_kv_dtype(name: str) -> None:
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
 
 
+def stored_as_bits(platform: str, attention_backend: str) -> bool:
+    """A float cache is kept as its bit patterns (BF16_BITS, FP8_BITS): XLA's attention on a
+    CPU, whose scatters into bf16 and fp8 arrays convert the whole array."""
+    return platform == "cpu" and attention_backend != "pallas"
+
+
+def cache_dtype(kv_cache_dtype: str, weight_dtype, activation_dtype, weights_quantized: bool,
+                platform: str, attention_backend: str):
+    """The float dtype the KV cache is kept in (a quantized cache's scales aside): bf16 when
+    asked, and for "auto" the dtype the model's float weights are stored in, as vLLM's auto
+    (a bf16 policy: attention reads half the bytes); otherwise, and for quantized weights
+    (whose products are exact to the dequantized float model's), the activations' dtype. A
+    bf16 cache kept as bits (stored_as_bits) is BF16_BITS."""
+    validate_kv_dtype(kv_cache_dtype)
+    bf16 = kv_cache_dtype == "bfloat16" or (
+        kv_cache_dtype == "auto" and weight_dtype == jnp.bfloat16 and not weights_quantized)
+    dtype = jnp.bfloat16 if bf16 else activation_dtype
+    if dtype == jnp.bfloat16 and stored_as_bits(platform, attention_backend):
+        return BF16_BITS
+    return dtype
+
+
+def dtype_name(dtype) -> str:
+    """A cache dtype's name, a bf16 cache kept as bits included."""
+    return "bfloat16" if dtype == BF16_BITS else jnp.dtype(dtype).name
+
+
 def storage_dtype(name: str):
     """The values' dtype of a kv_cache_dtype (None: unquantized, in the dtype the engine
     chose: the activations' for "auto", bf16 for "bfloat16")."""

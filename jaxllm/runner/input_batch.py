@@ -4,12 +4,20 @@ A request keeps its row from the step it is scheduled until it finishes or is pr
 per-step input preparation is a handful of vectorised numpy gathers over rows instead of a
 Python loop over requests, and on-device per-row state (penalty counts, biases) has a stable
 index.
+
+The batch's token rows mirror the tokens of the requests it holds (jaxllm.core.request owns
+them): filled from a new request's NewRequestData and extended by the tokens each step
+samples. A request whose tokens are taken back is finished by the scheduler, which frees its
+row, so a live row never holds a token its request does not. Per-request facts (logprobs,
+bad words) come from the scheduler's output as decided by the request.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from jaxllm.core.block_pool import NULL_BLOCK
+from jaxllm.core.request import num_prompt_logprobs, num_sampled_logprobs, split_bad_words
+from jaxllm.core.scheduler import NewRequestData
 
 # per-row sampling columns: name -> (dtype, value for an empty row)
 COLUMNS = {
@@ -52,9 +60,25 @@ class InputBatch:
     def __len__(self) -> int:
         return len(self.row_of)
 
+    def add_request(self, new: NewRequestData) -> int:
+        """A row for a request the scheduler sends in full; returns the row."""
+        return self._add(new.req_id, new.token_ids, new.num_prompt_tokens, new.block_ids,
+                         new.sampling_params, new.seed, new.num_logprobs,
+                         new.num_prompt_logprobs, new.multi_token_bad_words, new.lora_id)
+
     def add(self, req_id: str, token_ids: list[int], num_prompt_tokens: int,
             block_ids: list[int], params, seed: int,
             bad_word_ids: list[list[int]] | None = None, lora_id: int | None = None) -> int:
+        """A row from the request's parts (add_request takes them from NewRequestData); the
+        facts are decided by jaxllm.core.request's rules."""
+        return self._add(req_id, token_ids, num_prompt_tokens, block_ids, params, seed,
+                         num_sampled_logprobs(params), num_prompt_logprobs(params),
+                         split_bad_words(bad_word_ids)[1], lora_id)
+
+    def _add(self, req_id: str, token_ids: list[int], num_prompt_tokens: int,
+             block_ids: list[int], params, seed: int, num_logprobs: int,
+             num_prompt_logprobs: int, multi_token_bad_words: list[list[int]] | None,
+             lora_id: int | None) -> int:
         if req_id in self.row_of:
             raise RuntimeError(f"request {req_id!r} already has a row")
         row = self._free_rows.pop()
@@ -71,14 +95,10 @@ class InputBatch:
             c[name][row] = getattr(params, name)
         c["seed"][row] = seed
         c["has_bias"][row] = params.has_bias
-        # best_of ranks sequences by cumulative logprob: computed even when not returned
-        wants = params.logprobs if params.logprobs is not None else (
-            0 if params.num_sequences > params.n else -1)
-        c["num_logprobs"][row] = wants
-        c["num_prompt_logprobs"][row] = -1 if params.prompt_logprobs is None else params.prompt_logprobs
-        multi = [w for w in (bad_word_ids or []) if len(w) > 1]
-        self.bad_words[row] = multi or None
-        if multi:
+        c["num_logprobs"][row] = num_logprobs
+        c["num_prompt_logprobs"][row] = num_prompt_logprobs
+        self.bad_words[row] = multi_token_bad_words
+        if multi_token_bad_words:
             self.rows_with_bad_words.add(row)
         self.lora_id[row] = lora_id or 0
         self.row_of[req_id] = row

@@ -31,7 +31,7 @@ class Speculator:
 
     def can_speculate(self, req) -> bool:
         p = req.sampling_params
-        return not (p.has_penalties or any(len(w) > 1 for w in req.bad_word_ids or ()))
+        return not (p.has_penalties or req.needs_host_tokens)
 
     def enabled_for(self, num_running: int) -> bool:
         limit = self.config.disable_by_batch_size

@@ -128,3 +128,26 @@ def test_a_bad_word_is_banned_when_the_output_ends_with_its_other_tokens():
     prompt_only = add(batch, "b", tokens=(6,), prompt=1, bad_word_ids=[[6, 7]])
     assert batch.banned_tokens(prompt_only) == []
     assert batch.banned_tokens(add(batch, "c")) == []
+
+
+def test_a_row_from_the_schedulers_output_takes_the_request_facts():
+    from jaxllm.core.kv_cache_manager import KVCacheManager
+    from jaxllm.core.request import Request
+    from jaxllm.core.scheduler import Scheduler
+    sched = Scheduler(KVCacheManager(16, 4), 4, 64, 32)
+    req = Request("a", [1, 2, 3], SamplingParams(max_tokens=4, n=1, best_of=2, prompt_logprobs=1),
+                  2, seed=9, bad_word_ids=[[5], [6, 7]])
+    sched.add_request(req)
+    new, = sched.schedule().scheduled_new_reqs
+    batch = make_batch()
+    row = batch.add_request(new)
+    assert batch.token_ids[row, :3].tolist() == [1, 2, 3] and batch.num_tokens[row] == 3
+    assert batch.cols["num_logprobs"][row] == req.num_logprobs == 0
+    assert batch.cols["num_prompt_logprobs"][row] == 1 and batch.cols["seed"][row] == 9
+    assert batch.bad_words[row] == [[6, 7]] and batch.rows_with_bad_words == {row}
+    # the same facts as the row built from the request's parts
+    other = add(batch, "b", tokens=(1, 2, 3), params=req.sampling_params, seed=9,
+                bad_word_ids=[[5], [6, 7]])
+    for name in COLUMNS:
+        assert batch.cols[name][other] == batch.cols[name][row], name
+    assert batch.bad_words[other] == batch.bad_words[row]
