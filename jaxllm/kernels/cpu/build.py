@@ -28,8 +28,8 @@ logger = logging.getLogger(__name__)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # compiled together into one library; the headers are hashed into its key with them
-SOURCES = ("kernels.cc",)
-HEADERS: tuple[str, ...] = ()
+SOURCES = ("quantized.cc", "dense.cc", "attention.cc")
+HEADERS = ("common.h", "bf16_panels.h")
 TARGETS = {"jaxllm_qmm": "JaxllmQmm", "jaxllm_qmm_sym": "JaxllmQmmSym",
            "jaxllm_qmm_q8": "JaxllmQmmQ8", "jaxllm_qmm_q8_sym": "JaxllmQmmQ8Sym",
            "jaxllm_w8a8": "JaxllmW8A8", "jaxllm_w8a8_smooth": "JaxllmW8A8Smooth",

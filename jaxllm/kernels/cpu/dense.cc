@@ -1,0 +1,246 @@
+// bf16 float matmuls for XLA:CPU, called through XLA's FFI (build.py builds and registers this
+// file with the others): bf16 weights, f32 activations and accumulation. XLA:CPU converts a
+// bf16 operand to f32 in memory before its dot (measured 8x slower than the f32 dot at one
+// row), so bf16 storage only pays through a kernel that widens in registers.
+//
+//   jaxllm_bf16_in_out  w [L, K, N] bf16 (the layers' stacks)
+//   jaxllm_bf16_out_in  w [L, N, K] bf16 (a tied embedding table as the head)
+//   jaxllm_bf16_panels  w [L, N/48, K/2, 48] uint32: a [L, K, N] stack packed at load
+//
+// The index operand (common.h) picks the layer in place and says how many rows of x are real.
+// From 16 activation rows (4 on AMX) the activations are rounded to bf16 and multiply packed
+// panels (bf16_panels.h); below that the float kernels here widen the weights in registers.
+// Also here: the AMX switch every kernel file reads, and the library's probes.
+#include "bf16_panels.h"
+#include "common.h"
+
+// common.h's AMX switch, one for the library: on until JaxllmSetAmx turns it off
+std::atomic<bool> g_amx_allowed{true};
+
+namespace {
+
+#if defined(__AVX512F__)
+
+// in_out: y[i, n..n+16*NC) = sum_k x[i, k] w[k, n..]; W is streamed row by row, each row's
+// 16*NC columns once per MR activation rows
+template <int MR, int NC>
+void bf16_io_tile(const uint16_t* w, const float* x, int64_t K, int64_t N, int64_t n, float* y) {
+  __m512 acc[MR][NC];
+  for (int i = 0; i < MR; ++i)
+    for (int c = 0; c < NC; ++c) acc[i][c] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const uint16_t* row = w + k * N + n;
+    __m512 wv[NC];
+    for (int c = 0; c < NC; ++c) wv[c] = bf16x16(row + 16 * c);
+    for (int i = 0; i < MR; ++i) {
+      const __m512 xb = _mm512_set1_ps(x[i * K + k]);
+      for (int c = 0; c < NC; ++c) acc[i][c] = _mm512_fmadd_ps(xb, wv[c], acc[i][c]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(y + i * N + n + 16 * c, acc[i][c]);
+}
+
+template <int MR, int NC>
+void bf16_io_cols(const uint16_t* w, const float* x, int64_t K, int64_t N, int64_t n0,
+                  int64_t n1, float* y) {
+  int64_t n = n0;
+  for (; n + 16 * NC <= n1; n += 16 * NC) bf16_io_tile<MR, NC>(w, x, K, N, n, y);
+  for (; n + 16 <= n1; n += 16) bf16_io_tile<MR, 1>(w, x, K, N, n, y);
+  for (; n < n1; ++n)
+    for (int i = 0; i < MR; ++i) {
+      float s = 0;
+      for (int64_t k = 0; k < K; ++k) s += x[i * K + k] * bf16_to_float(w[k * N + n]);
+      y[i * N + n] = s;
+    }
+}
+
+void bf16_in_out(const uint16_t* w, const float* x, int64_t M, int64_t K, int64_t N, int64_t n0,
+                 int64_t n1, float* y) {
+  // fewer activation rows leave registers for more columns per pass over W
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) bf16_io_cols<4, 4>(w, x + m * K, K, N, n0, n1, y + m * N);
+  switch (M - m) {
+    case 3: bf16_io_cols<3, 4>(w, x + m * K, K, N, n0, n1, y + m * N); break;
+    case 2: bf16_io_cols<2, 8>(w, x + m * K, K, N, n0, n1, y + m * N); break;
+    case 1: bf16_io_cols<1, 8>(w, x + m * K, K, N, n0, n1, y + m * N); break;
+  }
+}
+
+// out_in: rows of W are contiguous in K, dot products reduced at the end (as quantized.cc's tile)
+template <int NR, int MR>
+void bf16_oi_tile(const uint16_t* w, const float* x, int64_t K, int64_t n, float* y, int64_t N) {
+  __m512 acc[NR][MR];
+  for (int r = 0; r < NR; ++r)
+    for (int i = 0; i < MR; ++i) acc[r][i] = _mm512_setzero_ps();
+  const int64_t K16 = K - K % 16;
+  for (int64_t k = 0; k < K16; k += 16) {
+    __m512 xv[MR];
+    for (int i = 0; i < MR; ++i) xv[i] = _mm512_loadu_ps(x + i * K + k);
+    for (int r = 0; r < NR; ++r) {
+      const __m512 wv = bf16x16(w + (n + r) * K + k);
+      for (int i = 0; i < MR; ++i) acc[r][i] = _mm512_fmadd_ps(wv, xv[i], acc[r][i]);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int i = 0; i < MR; ++i) {
+      float s = _mm512_reduce_add_ps(acc[r][i]);
+      for (int64_t k = K16; k < K; ++k) s += x[i * K + k] * bf16_to_float(w[(n + r) * K + k]);
+      y[i * N + n + r] = s;
+    }
+}
+
+template <int MR>
+void bf16_oi_rows(const uint16_t* w, const float* x, int64_t K, int64_t n0, int64_t n1,
+                  float* y, int64_t N) {
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) bf16_oi_tile<4, MR>(w, x, K, n, y, N);
+  for (; n < n1; ++n) bf16_oi_tile<1, MR>(w, x, K, n, y, N);
+}
+
+void bf16_out_in(const uint16_t* w, const float* x, int64_t M, int64_t K, int64_t N, int64_t n0,
+                 int64_t n1, float* y) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) bf16_oi_rows<4>(w, x + m * K, K, n0, n1, y + m * N, N);
+  switch (M - m) {
+    case 3: bf16_oi_rows<3>(w, x + m * K, K, n0, n1, y + m * N, N); break;
+    case 2: bf16_oi_rows<2>(w, x + m * K, K, n0, n1, y + m * N, N); break;
+    case 1: bf16_oi_rows<1>(w, x + m * K, K, n0, n1, y + m * N, N); break;
+  }
+}
+
+#else  // portable fallback
+
+void bf16_in_out(const uint16_t* w, const float* x, int64_t M, int64_t K, int64_t N, int64_t n0,
+                 int64_t n1, float* y) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = n0; n < n1; ++n) {
+      float s = 0;
+      for (int64_t k = 0; k < K; ++k) s += x[m * K + k] * bf16_to_float(w[k * N + n]);
+      y[m * N + n] = s;
+    }
+}
+
+void bf16_out_in(const uint16_t* w, const float* x, int64_t M, int64_t K, int64_t N, int64_t n0,
+                 int64_t n1, float* y) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = n0; n < n1; ++n) {
+      float s = 0;
+      for (int64_t k = 0; k < K; ++k) s += x[m * K + k] * bf16_to_float(w[n * K + k]);
+      y[m * N + n] = s;
+    }
+}
+
+#endif
+
+// w: [L, K, N] (in_out) or [L, N, K] (out_in), bf16; layer picks one matrix in place
+ffi::Error Bf16Impl(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::BF16>& w,
+                    ffi::Buffer<ffi::S32>& layer, ffi::ResultBuffer<ffi::F32>& y, bool in_out) {
+  auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 3)
+    return ffi::Error::InvalidArgument("bf16 matmul: x must be [M, K], w [L, *, *]");
+  const int64_t K = xd[1], L = wd[0];
+  const int64_t N = in_out ? wd[2] : wd[1];
+  if ((in_out ? wd[1] : wd[2]) != K)
+    return ffi::Error::InvalidArgument("bf16 matmul: shapes do not match");
+  Index ix;
+  if (auto e = read_index(layer, L, xd[0], &ix); e.failure()) return e;
+  const int64_t l = ix.layer, M = ix.rows;
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.typed_data()) + l * K * N;
+  const float* xp = x.typed_data();
+  float* yp = y->typed_data();
+  zero_rows(yp, M, xd[0], N);
+  if (M == 0) return ffi::Error::Success();
+  const bool amx = kBf16Packed && K % 32 == 0 && N % 16 == 0 && amx_on();
+  if (kBf16Packed && M >= (amx ? kBf16AmxMinRows : kBf16PackedMinRows) && K % 2 == 0 &&
+      N % 16 == 0) {
+    // AMX reads activations 16 rows at a time: the last tile's padding rows are zeros
+    auto xb = std::make_shared<std::vector<uint16_t>>((amx ? (M + 15) / 16 * 16 : M) * K);
+    round_bf16(xp, M * K, xb->data());
+    parallel_rows(pool, N, kPanel, [=](int64_t n0, int64_t n1) {
+      bf16_packed(wp, xb->data(), M, K, N, n0, n1, yp, in_out, amx);
+    });
+    return ffi::Error::Success();
+  }
+  if (in_out) {
+    // column chunks of whole 128-column tiles, so threads never share a tile
+    parallel_rows(pool, N, 128, [=](int64_t n0, int64_t n1) { bf16_in_out(wp, xp, M, K, N, n0, n1, yp); });
+  } else {
+    parallel_rows(pool, N, 64, [=](int64_t n0, int64_t n1) { bf16_out_in(wp, xp, M, K, N, n0, n1, yp); }, 4);
+  }
+  return ffi::Error::Success();
+}
+
+// w: [L, P, K / 2, 48] uint32, each 48-column panel of a bf16 [K, N] matrix (N = 48 P) packed
+// once at load in the order bf16_packed packs it per call (pack_bf16_io): a panel is
+// then K / 2 x 192 contiguous bytes, and a call reads the weights once, in order. Packing per
+// call cost more than the products at every row count (the four layer matmuls of the default
+// model over 30 layers, one thread: 31 -> 18 ms at 64 rows, 21 -> 9.5 ms at 4).
+ffi::Error Bf16Panels(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U32> w,
+                      ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 4 || wd[3] != kPanel)
+    return ffi::Error::InvalidArgument("bf16 panels: x must be [M, K], w [L, P, K / 2, 48]");
+  const int64_t K = xd[1], L = wd[0], P = wd[1], N = P * kPanel;
+  if (wd[2] * 2 != K || K % 32)
+    return ffi::Error::InvalidArgument("bf16 panels: shapes do not match (K a multiple of 32)");
+  if (!kBf16Packed)
+    return ffi::Error::InvalidArgument("bf16 panels: this CPU has no AVX512-BF16");
+  Index ix;
+  if (auto e = read_index(layer, L, xd[0], &ix); e.failure()) return e;
+  const int64_t M = ix.rows;
+  const uint32_t* wp = w.typed_data() + ix.layer * P * (K / 2) * kPanel;
+  float* yp = y->typed_data();
+  zero_rows(yp, M, xd[0], N);
+  if (M == 0) return ffi::Error::Success();
+  const bool amx = M >= kBf16AmxMinRows && amx_on();
+  // AMX reads activations 16 rows at a time: the last tile's padding rows are zeros
+  auto xb = std::make_shared<std::vector<uint16_t>>((amx ? (M + 15) / 16 * 16 : M) * K);
+  round_bf16(x.typed_data(), M * K, xb->data());
+  parallel_rows(pool, N, kPanel, [=](int64_t n0, int64_t n1) {
+    AmxScope tiles(amx);
+    for (int64_t n = n0; n < n1; n += kPanel)
+      bf16_panel(wp + n / kPanel * (K / 2) * kPanel, xb->data(), M, K, yp + n, N, 3, amx);
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error Bf16InOut(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> w,
+                     ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+  return Bf16Impl(pool, x, w, layer, y, true);
+}
+
+ffi::Error Bf16OutIn(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> w,
+                     ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+  return Bf16Impl(pool, x, w, layer, y, false);
+}
+
+auto BindBf16() {  // the bf16 matrix
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::BF16>>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Ret<ffi::Buffer<ffi::F32>>();
+}
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmBf16InOut, Bf16InOut, BindBf16());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmBf16OutIn, Bf16OutIn, BindBf16());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmBf16Panels, Bf16Panels,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+// whether Bf16Panels runs here (AVX512-BF16): the loader packs bf16 matrices only then
+extern "C" int JaxllmBf16PanelsBuilt() { return kBf16Packed ? 1 : 0; }
+
+// whether the packed kernels run on AMX's tiles here and now (the CPU has them, Linux grants
+// them, cpu_amx is on): for the benchmarks' machine line and the tests
+extern "C" int JaxllmAmx() { return amx_on() ? 1 : 0; }
+
+// EngineConfig.cpu_amx (jaxllm.kernels.cpu.build.set_amx)
+extern "C" void JaxllmSetAmx(int on) { g_amx_allowed.store(on != 0, std::memory_order_relaxed); }
