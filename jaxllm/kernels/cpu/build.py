@@ -27,7 +27,7 @@ from jaxllm import envs
 logger = logging.getLogger(__name__)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# compiled together into one library; the headers are hashed into its key with them
+# linked into one library; the headers are hashed into its key with them
 SOURCES = ("quantized.cc", "dense.cc", "attention.cc")
 HEADERS = ("common.h", "bf16_panels.h")
 TARGETS = {"jaxllm_qmm": "JaxllmQmm", "jaxllm_qmm_sym": "JaxllmQmmSym",
@@ -76,17 +76,29 @@ def _build() -> str:
     os.makedirs(cache, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
     os.close(fd)
-    cmd = [cxx, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w",
-           "-I", jax.ffi.include_dir(), "-I", HERE,
-           *(os.path.join(HERE, name) for name in SOURCES), "-o", tmp]
-    try:
-        res = subprocess.run(cmd, capture_output=True, text=True)
-        if res.returncode:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr[-2000:]}")
-        os.replace(tmp, lib)  # atomic: a concurrent build of the same key is harmless
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    flags = [cxx, "-O3", "-march=native", "-std=c++17", "-fPIC", "-w",
+             "-I", jax.ffi.include_dir(), "-I", HERE]
+    with tempfile.TemporaryDirectory(dir=cache) as objects:
+        # each family compiles in its own process, at once, then one link
+        jobs = []
+        for name in SOURCES:
+            obj = os.path.join(objects, name + ".o")
+            cmd = flags + ["-c", os.path.join(HERE, name), "-o", obj]
+            jobs.append((cmd, obj, subprocess.Popen(cmd, stdout=subprocess.PIPE,
+                                                    stderr=subprocess.PIPE, text=True)))
+        for cmd, _, proc in jobs:
+            _, err = proc.communicate()
+            if proc.returncode:
+                raise RuntimeError(f"{' '.join(cmd)} failed:\n{err[-2000:]}")
+        link = [cxx, "-shared", "-fPIC", *(obj for _, obj, _ in jobs), "-o", tmp]
+        try:
+            res = subprocess.run(link, capture_output=True, text=True)
+            if res.returncode:
+                raise RuntimeError(f"{' '.join(link)} failed:\n{res.stderr[-2000:]}")
+            os.replace(tmp, lib)  # atomic: a concurrent build of the same key is harmless
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
     return lib
 
 

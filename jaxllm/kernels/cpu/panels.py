@@ -14,7 +14,7 @@ import numpy as np
 
 from jaxllm.kernels.cpu import build
 
-PANEL = 48  # columns of a packed panel (kernels.cc kPanel)
+PANEL = 48  # columns of a packed panel (common.h kPanel)
 
 
 def _built(probe: str) -> bool:
@@ -72,7 +72,7 @@ def panels_apply(w) -> bool:
 def to_panels(w: jax.Array) -> jax.Array:
     """bf16 [L, K, N] -> uint32 [L, N / 48, K / 2, 48]: for each 48-column panel, each pair of
     k of each column as one word (low half k even), the panel's words contiguous: the order
-    the kernels multiply in (kernels.cc Bf16Panels), made once at load."""
+    the kernels multiply in (dense.cc Bf16Panels), made once at load."""
     L, K, N = w.shape
     bits = jax.lax.bitcast_convert_type(w, jnp.uint16).astype(jnp.uint32).reshape(L, K // 2, 2, N)
     words = bits[:, :, 0] | (bits[:, :, 1] << 16)                      # [L, K/2, N]
@@ -135,7 +135,7 @@ def i8_panels_apply(q) -> bool:
 @jax.jit
 def to_i8_panels(q: jax.Array) -> jax.Array:
     """int8 codes [L, N, K] -> int32 [L, N / 48, K / 4 + 1, 48]: for each 48-column panel, each
-    column's 4 consecutive k as one word (the order VNNI and AMX multiply in, kernels.cc
+    column's 4 consecutive k as one word (the order VNNI and AMX multiply in, quantized.cc
     W8A8Panels), then a row of the columns' sums (the kernels' correction for their unsigned
     activations); made once at load."""
     L, N, K = q.shape
