@@ -160,11 +160,15 @@ def test_delta_outputs_send_each_character_once(bpe_tokenizer):
     assert not proc.parents  # the finished request is gone
 
 
-def test_stop_string_inside_a_multi_token_step(bpe_tokenizer):
+@pytest.mark.parametrize("through_scheduler", [True, False])
+def test_stop_string_inside_a_multi_token_step(bpe_tokenizer, through_scheduler):
     """A step that emits several tokens (speculative decoding) and completes a stop string
     with one of the first: the sequence ends at that token, as one token per step would end
-    it. The later tokens are not in the output's token ids, logprobs or cumulative logprob."""
+    it. The later tokens are not in the output's token ids, logprobs or cumulative logprob.
+    The scheduler ends it (or, for a processor without one, its callback)."""
+    from jaxllm.core.kv_cache_manager import KVCacheManager
     from jaxllm.core.request import Request, RequestStatus
+    from jaxllm.core.scheduler import Scheduler
     from jaxllm.engine.output_processor import OutputProcessor
     from jaxllm.sampling_params import SamplingParams
 
@@ -179,9 +183,13 @@ def test_stop_string_inside_a_multi_token_step(bpe_tokenizer):
 
     def run(steps):
         params = SamplingParams(max_tokens=50, stop=["STOP"], logprobs=0)
-        proc = OutputProcessor(bpe_tokenizer)
+        sched = Scheduler(KVCacheManager(16, 16), 1, 64, 128)
+        proc = OutputProcessor(bpe_tokenizer, sched if through_scheduler else None)
         req = Request("r", [1, 2], params, eos_token_id=None, seed=0)
         proc.add("r", None, [1, 2], params, [req], 0.0)
+        if through_scheduler:
+            sched.add_request(req)
+            sched.schedule()
 
         def stopped(r):
             r.status = RequestStatus.FINISHED_STOPPED
@@ -196,6 +204,9 @@ def test_stop_string_inside_a_multi_token_step(bpe_tokenizer):
             if req.status.finished:
                 break
         (out,) = finals
+        assert req.status == RequestStatus.FINISHED_STOPPED
+        if through_scheduler:
+            assert not sched.has_unfinished_requests() and sched.kv.num_free_blocks == 15
         return out.outputs[0]
 
     one = run([1] * len(ids))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from jaxllm.core.request import Request
+from jaxllm.core.request import Request, RequestStatus
 from jaxllm.engine.detokenizer import IncrementalDetokenizer, piece_table
 from jaxllm.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxllm.sampling_params import RequestOutputKind, SamplingParams
@@ -50,8 +50,11 @@ class _Parent:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, scheduler=None):
         self.tokenizer = tokenizer
+        # ends sequences whose text hit a stop string (jaxllm.core.scheduler.Scheduler);
+        # without one, update()'s finish_stopped does
+        self.scheduler = scheduler
         self.parents: dict[str, _Parent] = {}
         self.seqs: dict[str, _Sequence] = {}     # by the sequence's (child) request id
         self._token_text: dict[int, str] = {}
@@ -118,23 +121,30 @@ class OutputProcessor:
                 plp.append(self._position_logprobs(ids[pos], lp))
 
     def update(self, request: Request, new_tokens: list[int], logprobs, now: float,
-               finish_stopped) -> str:
-        """A sequence's new tokens; returns its parent's id. `finish_stopped(request)` ends a
-        sequence whose text hit a stop string."""
+               finish_stopped=None) -> str:
+        """A sequence's new tokens; returns its parent's id. A sequence whose text hit a stop
+        string ends through the scheduler (or `finish_stopped(request)` when this processor
+        has none)."""
         seq = self.seqs[request.request_id]
         hit = seq.detok.update(new_tokens) if seq.detok is not None and new_tokens else None
         if hit is not None:
             # the tokens a multi-token step emitted after the one completing the stop string
             # are not output: the sequence ends where one token at a time would have ended it
-            request.stop_reason, used = hit
-            request.drop_last_output_tokens(len(new_tokens) - used)
+            stop_reason, used = hit
+            num_dropped = len(new_tokens) - used
             new_tokens = new_tokens[:used]
+            if self.scheduler is not None:
+                self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED,
+                                              stop_reason, num_dropped)
+            else:
+                request.stop_reason = stop_reason
+                request.drop_last_output_tokens(num_dropped)
         if logprobs:
             for token, lp in zip(new_tokens, logprobs):
                 seq.cumulative_logprob += lp.logprob
                 if seq.logprobs is not None:
                     seq.logprobs.append(self._position_logprobs(token, lp))
-        if hit is not None:
+        if hit is not None and self.scheduler is None:
             finish_stopped(request)
         m = self.parents[request.parent_id].metrics
         m.first_token_time = m.first_token_time or now
@@ -160,7 +170,7 @@ class OutputProcessor:
 
     def _output(self, parent: _Parent, delta: bool, finished: bool) -> RequestOutput | None:
         params = parent.params
-        wants_cum = params.logprobs is not None or bool(params.best_of)
+        wants_cum = parent.seqs[0].request.wants_cumulative_logprob
         outputs = []
         for seq in parent.seqs:
             req = seq.request
