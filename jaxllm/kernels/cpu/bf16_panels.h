@@ -209,9 +209,9 @@ void codes_packed(const T*, const Scales&, const float*, const uint16_t*, int64_
 // from this many activation rows the bf16 weights multiply activations rounded to bf16 (the
 // engine's bf16 policy rounds them before every dot, so there both paths see the same values)
 constexpr int64_t kBf16PackedMinRows = 16;
-// on AMX's tiles packing the weights bounds the packed path, not the products: from 4 rows it
-// wins ([M, 576] x [576, 3072] and the layers' other three x 30: 13 ms from 2 to 8 rows,
-// against 18 ms at 4 rows and 21 ms at 8 for the float kernel)
+// on AMX's tiles packing the weights bounds the packed path, not the products, so its cost
+// barely grows with the rows while the float kernel's grows with each row: from this many
+// rows the packed path wins
 constexpr int64_t kBf16AmxMinRows = 4;
 
 }  // namespace

@@ -148,7 +148,7 @@ def cpu_signature() -> str:
 
 
 def prepare_async() -> threading.Thread:
-    """Start building the kernels in the background (the first build takes seconds)."""
+    """Start building the kernels in the background (the first build compiles every source)."""
     t = threading.Thread(target=available, daemon=True)
     t.start()
     return t

@@ -1,7 +1,7 @@
 // bf16 float matmuls for XLA:CPU, called through XLA's FFI (build.py builds and registers this
 // file with the others): bf16 weights, f32 activations and accumulation. XLA:CPU converts a
-// bf16 operand to f32 in memory before its dot (measured 8x slower than the f32 dot at one
-// row), so bf16 storage only pays through a kernel that widens in registers.
+// bf16 operand to f32 in memory before its dot, so bf16 storage only pays through a kernel
+// that widens in registers.
 //
 //   jaxllm_bf16_in_out  w [L, K, N] bf16 (the layers' stacks)
 //   jaxllm_bf16_out_in  w [L, N, K] bf16 (a tied embedding table as the head)
@@ -173,9 +173,8 @@ ffi::Error Bf16Impl(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer
 
 // w: [L, P, K / 2, 48] uint32, each 48-column panel of a bf16 [K, N] matrix (N = 48 P) packed
 // once at load in the order bf16_packed packs it per call (pack_bf16_io): a panel is
-// then K / 2 x 192 contiguous bytes, and a call reads the weights once, in order. Packing per
-// call cost more than the products at every row count (the four layer matmuls of the default
-// model over 30 layers, one thread: 31 -> 18 ms at 64 rows, 21 -> 9.5 ms at 4).
+// then K / 2 x 192 contiguous bytes, and a call reads the weights once, in order. Packed once
+// because packing per call costs more than the products at every row count.
 ffi::Error Bf16Panels(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U32> w,
                       ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions(), wd = w.dimensions();

@@ -116,7 +116,7 @@ void rows_m(const QMat& w, const float* x, int64_t n0, int64_t n1, float* y) {
 // Activation rows in passes of up to 8: each pass decodes every weight code once, so 5 rows
 // (a verification step of 4 proposals) cost one pass, not a pass of 4 and another of 1. A
 // pass of more than 4 rows reads them from the cache for each weight row: only as many as
-// fit in a core's L1 (measured: 8 rows of 1536 ran at 0.7x two passes of 4)
+// fit in a core's L1 (a pass whose rows spill from L1 is slower than two passes of 4)
 void qmm_rows(const QMat& w, const float* x, int64_t M, int64_t n0, int64_t n1, float* y) {
   const int64_t pass = 8 * w.K * 4 <= 24576 ? 8 : 5 * w.K * 4 <= 32768 ? 5 : 4;
   for (int64_t m = 0; m < M; m += pass) {
@@ -236,8 +236,7 @@ inline __m512 pair_scales32(const Scales& s, int64_t g) {
 
 // Which scale each pair of blocks takes. G32: groups of 32, two per pair (GGUF's Q4_0/Q4_1);
 // G64: groups of a multiple of 64, one per pair, the same for G / 64 pairs running; ANY: the
-// rest (two divisions per pair: the four matmuls of the default model at one row took
-// 4.4 ms over 30 layers that way, 3.2 ms as G32)
+// rest (two divisions per pair, which the common group sizes avoid through G32 and G64)
 enum GroupMode { G32, G64, ANY };
 
 // one weight row by MR activation rows
@@ -665,7 +664,7 @@ void w8a8_rows(const int8_t* w, const float* ws, const uint8_t* xu, const float*
 #endif
 
 // from this many activation rows the packed kernel wins (packing costs a pass over the
-// weights; measured at [8, 576] x [576, 1536]: 136-150 GOP/s against 78-96)
+// weights, which fewer rows do not repay)
 constexpr int64_t kPackedMinRows = 8;
 
 // per-channel scales of layer l as float32 (N values: a copy costs nothing)
@@ -733,9 +732,8 @@ ffi::Error W8A8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
 // w: [L, P, K / 4 + 1, 48] int32: each 48-column panel of an int8 [N, K] matrix packed once at
 // load in the order pack_panel packs it per call, followed by its columns' sums (the +128 of
 // the unsigned activations). A call then reads the weights once, in order, at every row
-// count: on AMX's tiles from kI8AmxMinRows rows, with VNNI below that (the gate/up stack of
-// the default model over 30 layers: 1.59 ms on VNNI against 1.82 on AMX at 4 rows, 1.97
-// against 1.90 at 5, 2.47 against 2.12 at 8).
+// count: on AMX's tiles from kI8AmxMinRows rows, with VNNI below that (a tile multiplies 16
+// rows whatever the count, so with fewer rows VNNI's vectors are faster).
 constexpr int64_t kI8AmxMinRows = 5;
 
 ffi::Error W8A8PanelsImpl(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::S32>& w,
@@ -842,10 +840,10 @@ inline uint16_t e4m3_as_bf16(float v) {
 }
 
 // The `fp8` method: e4m3 weights with one scale per output channel, activations quantized per
-// token to e4m3 at run time (scale max|x| / 448). XLA:CPU only emulates an fp8 dot (measured:
-// 190 ms a decode step of the default model's shapes at one sequence, against 22 for int8
-// weights); both e4m3 operands are exact in bf16, so vdpbf16ps and AMX's tiles multiply them
-// as fp8 would, with f32 sums, and the row and column scales apply to each finished panel.
+// token to e4m3 at run time (scale max|x| / 448). XLA:CPU only emulates an fp8 dot, far
+// slower than an int8 one; both e4m3 operands are exact in bf16, so vdpbf16ps and AMX's
+// tiles multiply them as fp8 would, with f32 sums, and the row and column scales apply to
+// each finished panel.
 ffi::Error Fp8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q,
                      ffi::AnyBuffer scale, ffi::Buffer<ffi::S32> layer,
                      ffi::ResultBuffer<ffi::F32> y) {
