@@ -1,9 +1,9 @@
 """Compiled step executables kept on disk, keyed without tracing.
 
 JAX's persistent cache skips XLA's compile on a second start, but finds its entry by tracing
-and lowering the function again: for the default model on a 2-core CPU that is most of the
-start-up (seconds, under the GIL). This cache stores the serialized executable itself under a
-key made of everything the trace depends on:
+and lowering the function again, which on a CPU is most of the start-up and holds the GIL.
+This cache stores the serialized executable itself under a key made of everything the trace
+depends on:
 
 - the code: every source file of the jaxllm package, and the versions of jax, jaxlib and flax;
 - the platform: backend, its version, the devices, the process count;
@@ -14,7 +14,7 @@ key made of everything the trace depends on:
 - the call: each argument's tree structure, shape, dtype and sharding, and the compiler options.
 
 Whatever cannot be described deterministically (a repr with an object address) makes the call
-uncachable: it compiles as before. A bad or unreadable entry is removed and compiled again.
+uncachable: it compiles as without the cache. A bad or unreadable entry is removed and compiled again.
 `EngineConfig.executable_cache=False` turns the cache off.
 """
 

@@ -15,8 +15,8 @@ _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
 def open_gguf(path: str):
     """A gguf.GGUFReader over `path`, reading its header through a plain array view of the
     file's mapping. The reader slices the mapping once or twice per value, and a vocabulary
-    is ~100k values: slicing np.memmap itself costs its bookkeeping every time (measured 4.3 s
-    against 1.4 s for the default model's header). The values and tensors are the same."""
+    has a value per token: slicing np.memmap itself pays its bookkeeping every time, which
+    dominates reading the header. The values and tensors are the same."""
     import gguf
 
     class _Reader(gguf.GGUFReader):

@@ -82,7 +82,7 @@ def _gguf_file(path: str) -> str | None:
 
 def _from_pretrained(path: str):
     """AutoTokenizer's result, without its model-config machinery (which imports torch when it
-    is installed: seconds at every start) for the plain fast tokenizers that GGUF metadata and
+    is installed, slowing every start) for the plain fast tokenizers that GGUF metadata and
     jaxllm's own checkpoints hold."""
     try:
         with open(os.path.join(path, "tokenizer_config.json")) as f:
@@ -99,7 +99,7 @@ def _from_pretrained(path: str):
 def _load_tokenizer(path: str, gguf_file: str | None):
     if not gguf_file:
         return _from_pretrained(path)
-    # Building a tokenizer from GGUF metadata takes seconds; keep the result for the next start.
+    # Building a tokenizer from GGUF metadata is slow; keep the result for the next start.
     from jaxllm.loader.gguf_tokenizer import gguf_tokenizer
     st = os.stat(gguf_file)
     key = hashlib.sha256(f"{os.path.abspath(gguf_file)}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]

@@ -5,8 +5,8 @@ The cache is then a `QuantizedKV(data [layers, 2, kv_heads, slots, head_dim], sc
 2, kv_heads, slots])` instead of one float array; both share the slot axis, so block moves
 and tensor parallelism (by KV head) treat them alike. A per-token scale keeps int8 accurate
 whatever the magnitude of a token's keys (no calibration needed, unlike one static scale per
-tensor); it costs 4 bytes per head_dim values, so int8 holds 8 + 32 / head_dim bits per value:
-1.9x the tokens of bf16 at head_dim 64 (3.8x of f32).
+tensor); it costs 4 bytes per head_dim values, so int8 holds 8 + 32 / head_dim bits per value,
+nearly twice the tokens of bf16 at head_dim 64.
 """
 from __future__ import annotations
 
@@ -19,11 +19,11 @@ from jaxllm.quantization.formats import FP8_MAX
 
 KV_CACHE_DTYPES = ("auto", "bfloat16", "int8", "fp8", "fp8_e4m3")
 # a bf16 cache kept as its 16-bit patterns: XLA:CPU scatters into a bf16 array by converting
-# the whole array to f32 and back (hundreds of ms per layer for a 1 GiB cache), into uint16 in
-# place. Reads bitcast the gathered values back to bf16.
+# the whole array to f32 and back on every write, into uint16 in place. Reads bitcast the
+# gathered values back to bf16.
 BF16_BITS = jnp.uint16
-# an fp8 cache kept as its byte patterns, for the same reason (measured: writing one layer's
-# 64 tokens into a 0.7 GB float8 cache took 680 ms, into its bytes 0.08 ms).
+# an fp8 cache kept as its byte patterns, for the same reason (a float8 scatter converts the
+# whole array; a scatter into its bytes writes only the new tokens).
 FP8_BITS = jnp.uint8
 
 
