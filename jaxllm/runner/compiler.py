@@ -27,8 +27,8 @@ from jaxllm import executable_cache
 from jaxllm.runner.buckets import StepShapes
 from jaxllm.runner.rejection_sampler import num_verify_rows
 from jaxllm.runner.step_programs import (abstract_sample_inputs, abstract_step_inputs,
-                                         abstract_verify_metadata, sampling_only,
-                                         step_scratch_bytes)
+                                         abstract_verify_metadata, passes_scratch_bytes,
+                                         sampling_only, step_scratch_bytes)
 
 logger = logging.getLogger(__name__)
 
@@ -193,7 +193,12 @@ class StepCompiler:
         smp = self.sample_executables.get(key) or self.compile_sample(key)
         # with speculative decoding the verified positions' logits also wait for sampling
         rows = S + (num_verify_rows(T, S, self.num_spec) if self.num_spec else 0)
-        return step_scratch_bytes(fwd, smp, rows, self.vocab)
+        scratch = step_scratch_bytes(fwd, smp, rows, self.vocab)
+        if self.passes_shapes:  # a multi-step call samples inside it: its scratch is its own
+            shape = self.passes_shapes[-1]
+            exe = self.passes_executables.get(shape) or self.compile_passes(*shape)
+            scratch = max(scratch, passes_scratch_bytes(exe))
+        return scratch
 
     # compiling them all
     def _jobs(self, shapes) -> list:

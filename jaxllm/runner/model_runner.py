@@ -75,6 +75,7 @@ class ModelRunner:
         self.kv_cache_dtype = kv_cache_dtype
         # XLA's attention on a CPU keeps an fp8 cache as bytes (kv.FP8_BITS), as a bf16 one
         self.kv_bits = platform == "cpu" and attention_backend != "pallas"
+        self.num_host_blocks = num_host_blocks
         self.kv_cache, self.kv_sharding, kv_shapes = allocate_kv_cache(
             self.mesh, self.arch, num_blocks, block_size, dtype, kv_cache_dtype, self.kv_bits)
         self.sampler_state = jax.jit(lambda: init_state(max_num_seqs, self.vocab),
@@ -163,6 +164,20 @@ class ModelRunner:
     def activation_bytes(self) -> int:
         """Scratch memory of the largest step, measured from its compiled executables."""
         return self.compiler.activation_bytes()
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """Replace the cache with one of num_blocks blocks: the engine builds the runner with a
+        small cache, measures its largest step's scratch (activation_bytes), and sizes the
+        cache from the memory left. Before warm-up: nothing compiled for the old cache is kept."""
+        assert self.compiler.num_compiled == 0 and self.drafter is None
+        self.kv_cache = None  # freed before the new one takes its place
+        self.num_blocks = num_blocks
+        self.kv_cache, self.kv_sharding, kv_shapes = allocate_kv_cache(
+            self.mesh, self.arch, num_blocks, self.block_size, self.dtype, self.kv_cache_dtype,
+            self.kv_bits)
+        self.block_ops = BlockOps(kv_shapes, self.block_size, self.num_host_blocks,
+                                  self.kv_sharding)
+        self.compiler.programs.kv_cache = abstract(self.kv_cache)
 
     # per-step state
     def _update_states(self, out: SchedulerOutput) -> None:

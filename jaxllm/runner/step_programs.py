@@ -174,12 +174,19 @@ def sampling_only(smd):
     return dataclasses.replace(smd, next_ids=None)
 
 
+def _temp_bytes(exe) -> int:
+    return int(getattr(exe.memory_analysis(), "temp_size_in_bytes", 0) or 0)
+
+
 def step_scratch_bytes(forward_exe, sample_exe, S: int, vocab: int) -> int:
     """Scratch memory of a step from its compiled calls: the larger of the two, plus the
     logits that live from one to the other."""
-    def temp(exe):
-        return int(getattr(exe.memory_analysis(), "temp_size_in_bytes", 0) or 0)
-    return max(temp(forward_exe), temp(sample_exe)) + S * vocab * 4
+    return max(_temp_bytes(forward_exe), _temp_bytes(sample_exe)) + S * vocab * 4
+
+
+def passes_scratch_bytes(passes_exe) -> int:
+    """Scratch memory of a multi-step call (its logits live inside it)."""
+    return _temp_bytes(passes_exe)
 
 
 def step_compiler_options(platform: str) -> dict | None:
