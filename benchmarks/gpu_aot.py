@@ -165,7 +165,7 @@ def compile_kernels(rep, arch: str) -> list[dict]:
 
 
 def compile_steps(mesh, device_memory: int, args) -> dict:
-    from jaxllm.engine.llm_engine import kv_budget_bytes
+    from jaxllm.engine.kv_sizing import kv_budget_bytes
     from jaxllm.kernels import matmul_backend
     from jaxllm.layers.dtype_policy import uniform_policy
     from jaxllm.loader.abstract import abstract_model

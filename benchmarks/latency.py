@@ -172,7 +172,7 @@ def hbm_floor_ms(engine, batch: int, context: int) -> dict | None:
     weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(engine.runner.state))
     arch = engine.arch
     kv = (batch * context * arch.num_layers * 2 * arch.num_kv_heads * arch.head_dim
-          * jnp.dtype(engine.dtype).itemsize)
+          * jnp.dtype(engine.kv_dtype).itemsize)
     bw = measure_copy_bandwidth()
     return {"weight_bytes": int(weights), "kv_bytes": int(kv), "bandwidth_gb_s": bw / 1e9,
             "floor_ms": (weights + kv) / bw * 1e3}

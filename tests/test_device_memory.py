@@ -1,11 +1,13 @@
 """Sizing the KV cache from gpu_memory_utilization as a share of the whole device."""
 import os
 
+import jax
 import pytest
 from jax._src import xla_bridge
 
-from jaxllm.engine.llm_engine import (ALLOCATOR_SLACK, MEM_FRACTION_VARS, allocator_fraction,
-                                      claim_device_memory, kv_budget_bytes)
+from jaxllm.engine import kv_sizing
+from jaxllm.engine.kv_sizing import (ALLOCATOR_SLACK, MEM_FRACTION_VARS, allocator_fraction,
+                                     claim_device_memory, kv_budget_bytes)
 
 GiB = 2**30
 
@@ -51,31 +53,45 @@ def test_profiled_blocks_count_one_devices_share(monkeypatch):
     """With tensor parallelism each device holds 1/N of every block (its KV heads), and the
     memory stats are one device's: N devices fit N times the blocks of one."""
     import types
-    from jaxllm.engine import llm_engine
 
     class Device:
         def memory_stats(self):
             return {"bytes_limit": int(0.9 * 80 * GiB), "bytes_in_use": 4 * GiB}
 
-    class Probe:
-        def __init__(self, *args, **kwargs):
-            pass
-
+    class Runner:  # the serving runner, built with a probe-sized cache
         def activation_bytes(self):
             return 1 * GiB
 
-    monkeypatch.setattr(llm_engine.jax, "devices", lambda: [Device()])
-    monkeypatch.setattr(llm_engine, "ModelRunner", Probe)
+    monkeypatch.setattr(kv_sizing.jax, "devices", lambda: [Device()])
     monkeypatch.setenv(MEM_FRACTION_VARS[0], "0.9")
-    config = types.SimpleNamespace(block_size=16, max_model_len=256, max_num_seqs=8,
-                                   max_num_batched_tokens=64, attention_backend="xla",
-                                   gpu_memory_utilization=0.9, kv_cache_dtype="auto",
-                                   speculative_config=None)
+    config = types.SimpleNamespace(num_gpu_blocks_override=None, kv_cache_memory_bytes=None,
+                                   gpu_memory_utilization=0.9)
+    assert kv_sizing.needs_profile(config, "gpu") and not kv_sizing.needs_profile(config, "cpu")
     per_block = 2 * 2**20
-    blocks = {}
-    for n in (1, 4):
-        engine = types.SimpleNamespace(config=config, dtype=None,
-                                       mesh=types.SimpleNamespace(size=n))
-        blocks[n] = llm_engine.LLMEngine._profile_blocks(engine, per_block, None)
+    blocks = {n: kv_sizing.num_blocks(config, "gpu", per_block, Runner(), mesh_size=n)
+              for n in (1, 4)}
     budget = int(64 * GiB * (1 - ALLOCATOR_SLACK)) - 5 * GiB  # XLA's 80% of 80 GiB
     assert blocks[1] == budget // per_block and blocks[4] == budget // (per_block // 4)
+
+
+def test_the_serving_runner_measures_its_multi_step_scratch(tiny_llama, monkeypatch):
+    """The scratch that sizes the cache is the serving runner's: with multi-step scheduling
+    its largest multi-step call is measured too, and the cache it is given afterwards
+    replaces the probe's in the programs it compiles."""
+    from jaxllm.config import EngineConfig
+    from jaxllm.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=tiny_llama, max_model_len=64, max_num_seqs=4,
+                                    max_num_batched_tokens=64,
+                                    num_gpu_blocks_override=16,
+                                    num_scheduler_steps=4, warmup=False))
+    runner, c = engine.runner, engine.runner.compiler
+    measured = []
+    compile_passes = c.compile_passes
+    monkeypatch.setattr(c, "compile_passes", lambda *s: measured.append(s) or compile_passes(*s))
+    runner.activation_bytes()
+    assert measured == [c.passes_shapes[-1]]
+    runner.allocate_kv_cache(24)
+    assert runner.num_blocks == 24 and c.num_compiled == 0
+    assert [x.shape for x in jax.tree.leaves(c.programs.kv_cache)] == \
+        [x.shape for x in jax.tree.leaves(runner.kv_cache)]

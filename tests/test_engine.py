@@ -269,7 +269,7 @@ def test_warns_near_the_memory_map_limit(caplog):
     (past it, a compile cannot map its code and the process crashes)."""
     import logging
 
-    from jaxllm.engine.llm_engine import near_memory_map_limit
+    from jaxllm.engine.builder import near_memory_map_limit
     with caplog.at_level(logging.WARNING, logger="jaxllm"):
         assert not near_memory_map_limit(limit=10**9)
         assert not caplog.records

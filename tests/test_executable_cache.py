@@ -256,7 +256,7 @@ def test_an_executable_from_jax_cache_is_not_kept(tmp_path):
 def test_the_engine_uses_one_persistent_cache(tmp_path, monkeypatch):
     """With the executable cache on, JAX's persistent cache stays off (its hits could never
     reach ours); with it off, JAX's cache is used as before."""
-    from jaxllm.engine.llm_engine import setup_compilation_cache
+    from jaxllm.engine.builder import setup_compilation_cache
     before = jax.config.jax_compilation_cache_dir
     try:
         setup_compilation_cache(str(tmp_path / "a"))

@@ -220,7 +220,7 @@ def test_mixed_batches_equal_each_alone_and_hf(lora_llm, adapters):
             base = lora_llm.generate({"prompt_token_ids": p}, params, use_tqdm=False)[0].outputs[0]
             assert base.token_ids != ref.token_ids, f"adapter {w} changed nothing"
     assert engine.runner.lora.num_loads > len(adapters)      # slots were reused
-    assert engine.lora.num_disk_loads > len(adapters)        # the host cache let some go
+    assert engine.lora.registry.num_disk_loads > len(adapters)        # the host cache let some go
     assert engine.runner.num_compiles_after_warmup == 0
 
 
@@ -416,7 +416,7 @@ def test_adapter_gone_from_disk_aborts_only_its_requests(lora_llm, adapters, tmp
     for i, (lr, _) in enumerate(adapters[1:]):
         lora_llm.generate("y", params, use_tqdm=False,
                           lora_request=LoRARequest(f"fresh{i}", 60 + i, lr.lora_path))
-    assert engine.lora.key_of(doomed) not in engine.lora.cached_keys
+    assert engine.lora.key_of(doomed) not in engine.lora.registry.cached_keys
     shutil.rmtree(tmp_path / "doomed")
     outs = lora_llm.generate(["base", "doomed", "other"], params, use_tqdm=False,
                              lora_request=[None, doomed, adapters[1][0]])
