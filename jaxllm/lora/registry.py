@@ -85,10 +85,6 @@ class LoRARegistry:
         if self._by_id.get(req.lora_int_id) == key:
             self.remove(req.lora_int_id)
 
-    def by_name(self, name: str) -> LoRARequest | None:
-        key = self._by_name.get(name)
-        return None if key is None else self.requests[key]
-
     def list(self) -> list[LoRARequest]:
         return [self.requests[k] for k in self._by_id.values()]
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 
-import numpy as np
 
 from jaxllm.sampling_params import StructuredOutputsParams
 
@@ -83,9 +82,9 @@ def validate(p: StructuredOutputsParams) -> str:
 
 
 class Grammar:
-    """One sequence's position in its grammar. It advances on the tokens a step produced and
-    rolls back what speculative decoding rejects; `fill` writes the tokens allowed next into a
-    row of a packed bitmask (bit t of word t // 32: token t is allowed)."""
+    """One sequence's position in its grammar: it advances on the tokens a step produced.
+    The tokens it allows next reach the device as a row of the step's packed bitmask
+    (StructuredOutputManager.bitmask)."""
 
     __slots__ = ("matcher",)
 
@@ -99,27 +98,6 @@ class Grammar:
     def validate(self, tokens: list[int]) -> int:
         """How many of `tokens`, in order, the grammar allows from here (nothing advances)."""
         return self.matcher.validate_tokens(list(tokens))
-
-    def rollback(self, num_tokens: int) -> None:
-        if num_tokens > 0 and not self.matcher.rollback(num_tokens):
-            raise RuntimeError(f"grammar cannot roll back {num_tokens} tokens: "
-                               f"{self.matcher.get_error()}")
-
-    def fill(self, bitmask: np.ndarray, row: int) -> None:
-        from llguidance.numpy import fill_next_token_bitmask
-        fill_next_token_bitmask(self.matcher, bitmask, row)
-
-    def fill_with_drafts(self, bitmask: np.ndarray, row: int, drafts: list[int]) -> int:
-        """Speculative decoding: the masks after 0..k of the draft tokens into rows row..row+k
-        (rows after the first draft the grammar refuses stay as they are); returns how many
-        drafts the grammar allows. The matcher ends where it started."""
-        k = self.validate(drafts)
-        for i in range(k + 1):
-            self.fill(bitmask, row + i)
-            if i < k:
-                self.matcher.consume_token(drafts[i])
-        self.rollback(k)
-        return k
 
     @property
     def is_terminated(self) -> bool:

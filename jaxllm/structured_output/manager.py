@@ -103,11 +103,6 @@ class StructuredOutputManager:
         self.num_compiled += 1
         return matcher
 
-    def is_cached(self, spec: GrammarSpec) -> bool:
-        with self._lock:
-            fut = self._cache.get(spec.key)
-        return fut is not None and fut.done() and fut.exception() is None
-
     @staticmethod
     def grammar(compiled) -> Grammar:
         """A sequence's own matcher, at the start of the grammar."""
