@@ -95,3 +95,31 @@ def test_the_serving_runner_measures_its_multi_step_scratch(tiny_llama, monkeypa
     assert runner.num_blocks == 24 and c.num_compiled == 0
     assert [x.shape for x in jax.tree.leaves(c.programs.kv_cache)] == \
         [x.shape for x in jax.tree.leaves(runner.kv_cache)]
+
+
+def test_the_cache_is_sized_from_the_serving_runner(tiny_llama, monkeypatch):
+    """Sizing from a measurement (a GPU's): the runner measured is the one that serves, built
+    with a probe-sized cache and then given the sized one, and it generates what a runner
+    built with that many blocks from the start does."""
+    from jaxllm import LLM, SamplingParams
+
+    args = dict(dtype="float32", max_model_len=64, max_num_seqs=4, max_num_batched_tokens=64,
+                num_scheduler_steps=4, warmup=False)
+    measured = []
+
+    def profile(runner, per_block, utilization, mesh_size=1):
+        measured.append((runner, runner.num_blocks, runner.activation_bytes()))
+        return 24
+
+    monkeypatch.setattr(kv_sizing, "needs_profile", lambda config, platform: True)
+    monkeypatch.setattr(kv_sizing, "profile_blocks", profile)
+    sized = LLM(tiny_llama, **args)
+    (runner, probe_blocks, _), = measured
+    assert runner is sized.llm_engine.runner and probe_blocks == kv_sizing.PROBE_BLOCKS
+    assert runner.num_blocks == 24 and sized.llm_engine.kv_manager.pool.num_blocks == 24
+    monkeypatch.undo()
+    fixed = LLM(tiny_llama, num_gpu_blocks_override=24, **args)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [1, 5, 9, 14]}, {"prompt_token_ids": [1, 7, 3]}]
+    assert [o.outputs[0].token_ids for o in sized.generate(prompts, params)] == \
+        [o.outputs[0].token_ids for o in fixed.generate(prompts, params)]

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from jaxllm import executable_cache
 from jaxllm.config import EngineConfig
@@ -73,20 +72,6 @@ def process_seconds() -> float:
     return time.time() - psutil.Process().create_time()
 
 
-def kv_storage_dtype(config: EngineConfig, policy: DTypePolicy, quantized: bool, platform: str):
-    """The KV cache's storage: bf16 when asked, and for "auto" the dtype the model's float
-    weights are stored in, as vLLM's auto (a CPU's bf16 policy: attention reads half the
-    bytes); otherwise, and for quantized weights (whose products are exact to the dequantized
-    float model's), the activations' dtype. On a CPU's XLA attention a bf16 cache is kept as
-    its bit patterns (kv.py)."""
-    kv_bf16 = config.kv_cache_dtype == "bfloat16" or (
-        config.kv_cache_dtype == "auto" and policy.weight == jnp.bfloat16 and not quantized)
-    dtype = jnp.bfloat16 if kv_bf16 else policy.activation
-    if platform == "cpu" and dtype == jnp.bfloat16 and config.attention_backend != "pallas":
-        dtype = kvq.BF16_BITS
-    return dtype
-
-
 @dataclass
 class EngineParts:
     """What an engine is made of, as built from its config."""
@@ -137,7 +122,8 @@ def build_engine(config: EngineConfig, lora_modules=(), model_names=()) -> Engin
                         matmul_backend=matmul_backend,
                         int4_activations=config.int4_activations)
     load_seconds = time.perf_counter() - load_start
-    kv_dtype = kv_storage_dtype(config, policy, loaded.quant is not None, platform)
+    kv_dtype = kvq.cache_dtype(config.kv_cache_dtype, policy.weight, policy.activation,
+                               loaded.quant is not None, platform, config.attention_backend)
     model_max = loaded.arch.max_position_embeddings
     if config.max_model_len is not None and config.max_model_len > model_max:
         raise ValueError(f"max_model_len ({config.max_model_len}) is larger than the model's "

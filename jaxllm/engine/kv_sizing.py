@@ -78,14 +78,14 @@ def needs_profile(config, platform: str) -> bool:
 def num_blocks(config, platform: str, per_block: int, runner=None, mesh_size: int = 1) -> int:
     """The blocks of the budget (see the module's docstring); `runner` is measured when
     needs_profile()."""
-    if config.num_gpu_blocks_override is not None:
+    if needs_profile(config, platform):
+        num = profile_blocks(runner, per_block, config.gpu_memory_utilization, mesh_size)
+    elif config.num_gpu_blocks_override is not None:
         num = config.num_gpu_blocks_override
     elif config.kv_cache_memory_bytes is not None:
         num = config.kv_cache_memory_bytes // per_block
-    elif platform == "cpu":
-        num = DEFAULT_CPU_KV_BYTES // per_block
     else:
-        num = profile_blocks(runner, per_block, config.gpu_memory_utilization, mesh_size)
+        num = DEFAULT_CPU_KV_BYTES // per_block
     if num < 2:
         raise ValueError(f"the KV-cache budget fits {num} blocks of {per_block} bytes; "
                          "at least 2 are needed (raise the memory budget)")
@@ -120,7 +120,7 @@ def profile_blocks(runner, per_block: int, utilization: float, mesh_size: int = 
 def log_cache(config, num: int, per_block: int, kv_dtype, arch, activation_dtype) -> None:
     """The blocks, the tokens they hold and the maximum concurrency they imply."""
     tokens = (num - 1) * config.block_size
-    stored = "bfloat16" if kv_dtype == kvq.BF16_BITS else jnp.dtype(kv_dtype).name
+    stored = kvq.dtype_name(kv_dtype)
     logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB, %s %s); maximum "
                 "concurrency for %d-token requests: %.2fx", num, config.block_size, tokens,
                 num * per_block / 2**30, config.kv_cache_dtype, stored if config.kv_cache_dtype
