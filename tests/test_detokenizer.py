@@ -144,13 +144,15 @@ def test_delta_outputs_send_each_character_once(bpe_tokenizer):
     ids = bpe_tokenizer.encode("Deltas stay small, even for long answers. " * 400,
                                add_special_tokens=False)[:4000]
     params = SamplingParams(max_tokens=4000, stop=["xyz123"], output_kind=RequestOutputKind.DELTA)
-    proc = OutputProcessor(bpe_tokenizer)
+    from jaxllm.core.kv_cache_manager import KVCacheManager
+    from jaxllm.core.scheduler import Scheduler
+    proc = OutputProcessor(bpe_tokenizer, Scheduler(KVCacheManager(16, 16), 1, 64, 128))
     req = Request("r", [1, 2], params, eos_token_id=None, seed=0)
     proc.add("r", None, [1, 2], params, [req], 0.0)
     texts, toks = [], []
     for i, t in enumerate(ids):
         req.append_output_token(t)
-        proc.update(req, [t], None, 0.0, lambda r: None)
+        proc.update(req, [t], None, 0.0)
         if i == len(ids) - 1:
             req.status = RequestStatus.FINISHED_LENGTH
         for out in proc.make_outputs(["r"]):
@@ -160,12 +162,11 @@ def test_delta_outputs_send_each_character_once(bpe_tokenizer):
     assert not proc.parents  # the finished request is gone
 
 
-@pytest.mark.parametrize("through_scheduler", [True, False])
-def test_stop_string_inside_a_multi_token_step(bpe_tokenizer, through_scheduler):
+def test_stop_string_inside_a_multi_token_step(bpe_tokenizer):
     """A step that emits several tokens (speculative decoding) and completes a stop string
     with one of the first: the sequence ends at that token, as one token per step would end
     it. The later tokens are not in the output's token ids, logprobs or cumulative logprob.
-    The scheduler ends it (or, for a processor without one, its callback)."""
+    The scheduler ends it and frees its blocks."""
     from jaxllm.core.kv_cache_manager import KVCacheManager
     from jaxllm.core.request import Request, RequestStatus
     from jaxllm.core.scheduler import Scheduler
@@ -184,29 +185,24 @@ def test_stop_string_inside_a_multi_token_step(bpe_tokenizer, through_scheduler)
     def run(steps):
         params = SamplingParams(max_tokens=50, stop=["STOP"], logprobs=0)
         sched = Scheduler(KVCacheManager(16, 16), 1, 64, 128)
-        proc = OutputProcessor(bpe_tokenizer, sched if through_scheduler else None)
+        proc = OutputProcessor(bpe_tokenizer, sched)
         req = Request("r", [1, 2], params, eos_token_id=None, seed=0)
         proc.add("r", None, [1, 2], params, [req], 0.0)
-        if through_scheduler:
-            sched.add_request(req)
-            sched.schedule()
-
-        def stopped(r):
-            r.status = RequestStatus.FINISHED_STOPPED
+        sched.add_request(req)
+        sched.schedule()
         pos, finals = 0, []
         for k in steps:
             new = ids[pos:pos + k]
             for t in new:
                 req.append_output_token(t)
-            proc.update(req, new, [LP(-0.5 * (pos + j + 1)) for j in range(len(new))], 0.0, stopped)
+            proc.update(req, new, [LP(-0.5 * (pos + j + 1)) for j in range(len(new))], 0.0)
             pos += k
             finals += [o for o in proc.make_outputs(["r"]) if o.finished]
             if req.status.finished:
                 break
         (out,) = finals
         assert req.status == RequestStatus.FINISHED_STOPPED
-        if through_scheduler:
-            assert not sched.has_unfinished_requests() and sched.kv.num_free_blocks == 15
+        assert not sched.has_unfinished_requests() and sched.kv.num_free_blocks == 15
         return out.outputs[0]
 
     one = run([1] * len(ids))

@@ -63,17 +63,14 @@ class LLMEngine:
         self._rng = np.random.default_rng(config.seed)
         self.structured = StructuredOutputManager(self.tokenizer, self.arch.vocab_size,
                                                   self.eos_token_id)
-        self.grammars = RequestGrammars(self.structured, self.scheduler.finish_requests)
+        self.grammars = RequestGrammars(self.structured, self.scheduler.finish_request)
         self.inputs = InputProcessor(self.tokenizer, self.arch.vocab_size, config.max_model_len,
                                      self.structured, speculative=self.speculator is not None)
-        self.outputs = OutputProcessor(self.tokenizer)
+        self.outputs = OutputProcessor(self.tokenizer, self.scheduler)
         self.engine_stats = EngineStats(self.scheduler, self.kv_manager, config.block_size,
                                         config.max_model_len, self.lora)
         # async scheduling: the step dispatched last, whose tokens the host has not read yet
         self._in_flight: tuple[SchedulerOutput, InFlight | None] | None = None
-        # requests whose sampling needs every earlier token on the host (multi-token bad
-        # words): while one runs, steps do not overlap
-        self._needs_sync: set[str] = set()
         self.startup_seconds = time.perf_counter() - start
         logger.info("engine ready in %.1f s (load %.1f s, compile %.1f s; %.1f s since the "
                     "process started; model %s, dtype %s, %s, %s scheduling)",
@@ -161,8 +158,7 @@ class LLMEngine:
                 seed = int(self._rng.integers(0, 2**32))
             req = Request(child_id, req_in.prompt_token_ids, params, self.eos_token_id, seed,
                           arrival, priority=priority, cache_salt=req_in.cache_salt,
-                          lora_id=lora_id, parent_id=request_id)
-            req.bad_word_ids = req_in.bad_word_ids
+                          lora_id=lora_id, parent_id=request_id, bad_word_ids=req_in.bad_word_ids)
             reqs.append(req)
         # a failed grammar raises ValueError here; one still compiling waits outside the
         # scheduler while steps go on
@@ -174,8 +170,6 @@ class LLMEngine:
         self.scheduler.add_request(reqs[0], reqs[1:])
         # only once the scheduler has taken it: a refused request leaves nothing behind
         self.outputs.add(request_id, req_in.prompt, req_in.prompt_token_ids, params, reqs, arrival)
-        if any(len(w) > 1 for w in req_in.bad_word_ids or ()):
-            self._needs_sync.add(request_id)
 
     def _admit_compiled(self) -> list[RequestOutput]:
         """Requests whose grammar finished compiling join the scheduler; one whose grammar
@@ -197,7 +191,6 @@ class LLMEngine:
             parent = self.outputs.remove(rid)
             if parent is None:
                 continue
-            self._needs_sync.discard(rid)
             if self.grammars.release(rid):
                 continue  # never reached the scheduler
             self.scheduler.finish_requests([s.request.request_id for s in parent.seqs],
@@ -220,7 +213,9 @@ class LLMEngine:
         reads the previous one's tokens and builds its outputs (and, in the next call,
         schedules the step after); without it, each step is read before the next one."""
         outputs = []
-        overlap = self.config.async_scheduling and not self._needs_sync
+        # a request whose sampling needs every earlier token on the host (multi-token bad
+        # words) keeps steps from overlapping while it runs
+        overlap = self.config.async_scheduling and not self.scheduler.needs_host_tokens
         # a step that verified proposals decides where each request's next tokens go (its
         # accepted count): it is read before the next step is scheduled
         verified = self._in_flight is not None and bool(self._in_flight[0].scheduled_spec_decode_tokens)
@@ -268,13 +263,9 @@ class LLMEngine:
             if req.grammar is not None and upd.new_token_ids:
                 self.grammars.advance(req, upd.new_token_ids)
             pid = self.outputs.update(req, upd.new_token_ids, res.logprobs.get(req.request_id),
-                                      now, self._finish_stopped)
+                                      now)
             touched[pid] = None
-        outputs = self.outputs.make_outputs(touched)
-        for o in outputs:
-            if o.finished:
-                self._needs_sync.discard(o.request_id)
-        return outputs
+        return self.outputs.make_outputs(touched)
 
     def _abort_failed_loras(self, failures: dict[int, str]) -> list[RequestOutput]:
         """Adapters that could not be read again: their requests end now, aborted (their
@@ -283,17 +274,7 @@ class LLMEngine:
         self.lora.unregister_failed(failures)
         reqs = [r for r in self.scheduler.requests.values() if r.lora_id in failures]
         self.scheduler.finish_requests([r.request_id for r in reqs], RequestStatus.FINISHED_ABORTED)
-        parents = dict.fromkeys(r.parent_id for r in reqs)
-        for pid in parents:
-            self._needs_sync.discard(pid)
-        return self.outputs.make_outputs(parents)
-
-    def _finish_stopped(self, req: Request) -> None:
-        """A stop string ended the sequence (the detokenizer found it)."""
-        if req.status.finished:  # the same token hit a length limit: the stop wins
-            req.status = RequestStatus.FINISHED_STOPPED
-        else:
-            self.scheduler.finish_requests(req.request_id, RequestStatus.FINISHED_STOPPED)
+        return self.outputs.make_outputs(dict.fromkeys(r.parent_id for r in reqs))
 
     # introspection (stats.py)
     def memory_report(self) -> dict:

@@ -50,10 +50,9 @@ class _Parent:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer, scheduler=None):
+    def __init__(self, tokenizer, scheduler):
         self.tokenizer = tokenizer
-        # ends sequences whose text hit a stop string (jaxllm.core.scheduler.Scheduler);
-        # without one, update()'s finish_stopped does
+        # ends sequences whose text hit a stop string (jaxllm.core.scheduler.Scheduler)
         self.scheduler = scheduler
         self.parents: dict[str, _Parent] = {}
         self.seqs: dict[str, _Sequence] = {}     # by the sequence's (child) request id
@@ -120,11 +119,9 @@ class OutputProcessor:
             if pos == len(plp):  # a recomputed prompt (after preemption) adds nothing twice
                 plp.append(self._position_logprobs(ids[pos], lp))
 
-    def update(self, request: Request, new_tokens: list[int], logprobs, now: float,
-               finish_stopped=None) -> str:
+    def update(self, request: Request, new_tokens: list[int], logprobs, now: float) -> str:
         """A sequence's new tokens; returns its parent's id. A sequence whose text hit a stop
-        string ends through the scheduler (or `finish_stopped(request)` when this processor
-        has none)."""
+        string ends through the scheduler."""
         seq = self.seqs[request.request_id]
         hit = seq.detok.update(new_tokens) if seq.detok is not None and new_tokens else None
         if hit is not None:
@@ -133,19 +130,13 @@ class OutputProcessor:
             stop_reason, used = hit
             num_dropped = len(new_tokens) - used
             new_tokens = new_tokens[:used]
-            if self.scheduler is not None:
-                self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED,
-                                              stop_reason, num_dropped)
-            else:
-                request.stop_reason = stop_reason
-                request.drop_last_output_tokens(num_dropped)
+            self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED, stop_reason,
+                                          num_dropped)
         if logprobs:
             for token, lp in zip(new_tokens, logprobs):
                 seq.cumulative_logprob += lp.logprob
                 if seq.logprobs is not None:
                     seq.logprobs.append(self._position_logprobs(token, lp))
-        if hit is not None and self.scheduler is None:
-            finish_stopped(request)
         m = self.parents[request.parent_id].metrics
         m.first_token_time = m.first_token_time or now
         m.last_token_time = now

@@ -23,6 +23,7 @@ from jaxllm.layers.attention import q_tile_size
 from jaxllm.parallel import make_mesh, platform_of, sharding
 from jaxllm.parallel import multiprocess as mp
 from jaxllm.parallel.leader import Leader, call_args, device_put, to_host
+from jaxllm.quantization import kv as kvq
 from jaxllm import executable_cache
 # (jaxllm.quantization.smoothquant reads attention_metadata and kv_cache_shape from here)
 from jaxllm.runner.block_ops import BlockOps
@@ -74,7 +75,7 @@ class ModelRunner:
         self.replicated = sharding(self.mesh)
         self.kv_cache_dtype = kv_cache_dtype
         # XLA's attention on a CPU keeps an fp8 cache as bytes (kv.FP8_BITS), as a bf16 one
-        self.kv_bits = platform == "cpu" and attention_backend != "pallas"
+        self.kv_bits = kvq.stored_as_bits(platform, attention_backend)
         self.num_host_blocks = num_host_blocks
         self.kv_cache, self.kv_sharding, kv_shapes = allocate_kv_cache(
             self.mesh, self.arch, num_blocks, block_size, dtype, kv_cache_dtype, self.kv_bits)
@@ -186,8 +187,7 @@ class ModelRunner:
             batch.remove(rid)
         for new in out.scheduled_new_reqs:
             p = new.sampling_params
-            row = batch.add(new.req_id, new.token_ids, new.num_prompt_tokens, new.block_ids,
-                            p, new.seed, new.bad_word_ids, new.lora_id)
+            row = batch.add_request(new)
             if p.has_penalties or p.has_bias or p.min_tokens > 0:
                 self._pending_rows.append((row, new))
         for cached in out.scheduled_cached_reqs:
@@ -219,13 +219,9 @@ class ModelRunner:
                     bias[j, p.allowed_token_ids] = 0.0
                 for t, v in (p.logit_bias or {}).items():
                     bias[j, t] += v
-                for w in new.bad_word_ids or ():
-                    if len(w) == 1:
-                        bias[j, w[0]] = -np.inf
+                bias[j, new.banned_token_ids] = -np.inf
                 if p.min_tokens > 0:
-                    stop[j, p.stop_token_ids] = True
-                    if not p.ignore_eos and new.eos_token_id is not None:
-                        stop[j, new.eos_token_id] = True
+                    stop[j, list(new.stop_ids)] = True
             self._set_sampler_rows((rows, tokens, n_prompt, n_tok, bias, stop))
 
     # device operations: with several processes, process 0 announces and shares each one so

@@ -22,8 +22,8 @@ logger = logging.getLogger("jaxllm")
 
 class RequestGrammars:
     def __init__(self, manager: StructuredOutputManager,
-                 finish: Callable[[str | list[str], RequestStatus], None]):
-        """finish: the scheduler's finish_requests, which ends a sequence."""
+                 finish: Callable[[Request, RequestStatus], None]):
+        """finish: the scheduler's finish_request, which ends a sequence."""
         self.manager = manager
         self.finish = finish
         # requests whose grammar is still compiling: id -> (compiled future, sequences)
@@ -63,7 +63,7 @@ class RequestGrammars:
             if error is not None:
                 logger.error("request %s: %s", rid, error)
                 for req in reqs:
-                    req.status = RequestStatus.FINISHED_ABORTED
+                    self.finish(req, RequestStatus.FINISHED_ABORTED)
                 failed.append(rid)
                 continue
             self._attach(reqs, compiled.result())
@@ -84,12 +84,11 @@ class RequestGrammars:
             # only when other masks (allowed_token_ids, bad words) left no token the grammar allows
             logger.error("request %s sampled a token its grammar does not allow: %s",
                          req.request_id, grammar.error)
-            self.finish(req.request_id, RequestStatus.FINISHED_ABORTED)
-        elif grammar.is_terminated:
-            if req.status == RequestStatus.FINISHED_LENGTH:  # complete at the limit: it stopped
-                req.status = RequestStatus.FINISHED_STOPPED
-            elif not req.status.finished:
-                self.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
+            if not req.status.finished:
+                self.finish(req, RequestStatus.FINISHED_ABORTED)
+        elif grammar.is_terminated and (req.status == RequestStatus.FINISHED_LENGTH
+                                        or not req.status.finished):
+            self.finish(req, RequestStatus.FINISHED_STOPPED)  # complete at the limit: it stopped
 
     @staticmethod
     def constrains(out) -> bool:

@@ -200,9 +200,5 @@ def test_the_scan_finds_assignments_to_a_request():
     assert [_sets_owned(n.targets[0]) for n in tree.body] == [True, True, True, False]
 
 
-@pytest.mark.xfail(strict=True, reason="until the engine ends requests through "
-                   "Scheduler.finish_request: LLMEngine._finish_stopped and RequestGrammars "
-                   "(ready, advance) set a status, and OutputProcessor sets the stop reason for "
-                   "an engine that gives it no scheduler")
 def test_only_core_changes_a_request_status_or_stop_reason():
     assert _assignments_outside_core() == []
