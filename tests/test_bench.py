@@ -5,6 +5,9 @@ import signal
 import subprocess
 import sys
 
+import math
+
+import numpy as np
 import pytest
 
 from conftest import read_json
@@ -16,6 +19,11 @@ ENGINE = ["--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--max-model-
 
 def run_cli(*argv):
     assert main(list(argv)) == 0
+
+
+def duration(x) -> bool:
+    """A measured time as the reports write it: a finite float of seconds."""
+    return isinstance(x, float) and math.isfinite(x) and x >= 0
 
 
 def test_throughput_random_with_hf_baseline(tiny_llama, tmp_path):
@@ -39,7 +47,8 @@ def test_throughput_prefix_chat_and_sharegpt_mix(tiny_llama, tmp_path):
     assert r["jaxllm"]["requests"] == 6 and r["jaxllm_no_prefix_caching"]["requests"] == 6
     assert r["jaxllm"]["cached_prompt_tokens"] > 0
     assert r["jaxllm_no_prefix_caching"]["cached_prompt_tokens"] == 0
-    assert r["ratio_vs_no_prefix_caching"] > 0
+    assert r["ratio_vs_no_prefix_caching"] == pytest.approx(
+        r["jaxllm"]["output_tokens_per_s"] / r["jaxllm_no_prefix_caching"]["output_tokens_per_s"])
     run_cli("bench", "throughput", "--model", tiny_llama, *ENGINE, "--dataset-name", "sharegpt",
             "--num-prompts", "5", "--no-hf-baseline", "--results-dir", str(tmp_path), "--tag", "mix")
     r = read_json(tmp_path / "mix.json")
@@ -71,20 +80,17 @@ def test_latency(tiny_llama, tmp_path, passes):
     r = read_json(tmp_path / "lat.json")
     assert r["num_scheduler_steps"] == passes
     for key in ("batch_1", "batch_4"):
-        assert r[key]["decode_step_s"]["n"] == 2 and r[key]["ttft_s"]["mean"] > 0
+        assert r[key]["decode_step_s"]["n"] == 2 and duration(r[key]["ttft_s"]["mean"])
         assert r[key]["e2e_s"]["n"] == 2
         # the replayed step is a decode step of that batch
         assert r[key]["step_shape"][1] >= int(key.split("_")[1])
         assert r[key]["replayed_passes"] == passes
-        assert 0 < r[key]["device_step_s"] < 10 * r[key]["decode_step_s"]["median"]
-        # the engine thread's CPU time in a step: some, and never more than the step's time
-        assert 0 < r[key]["host_cpu_s"] <= 1.05 * r[key]["decode_step_s"]["median"]
+        assert duration(r[key]["device_step_s"]) and duration(r[key]["host_cpu_s"])
         # the decode phase's launches, and how many found the device idle (then no bound)
-        assert 0 <= r[key]["launches_found_device_idle"] <= r[key]["decode_launches"]
         assert r[key]["decode_launches"] >= 1
+        assert r[key]["launches_found_device_idle"] in range(r[key]["decode_launches"] + 1)
         # the collector's pauses in that phase (full ones counted), timed on the engine thread
-        assert r[key]["gc_full_collections"] >= 0 and r[key]["gc_seconds"] >= 0
-        assert r[key]["gc_full_collections"] == 0 or r[key]["gc_seconds"] > 0
+        assert isinstance(r[key]["gc_full_collections"], int) and duration(r[key]["gc_seconds"])
         if r[key]["launches_found_device_idle"] == 0:
             assert r[key]["exposed_host_bound_s"] == r[key]["host_cpu_s"]
         else:
@@ -100,7 +106,7 @@ def test_detok(tiny_llama, tmp_path):
     r = read_json(tmp_path / "detok.json")
     assert [w["where"] for w in r["windows"]] == ["start", "middle", "end"]
     assert [w["first_token"] for w in r["windows"]] == [0, 1500, 2500]
-    assert all(w["tokens"] == 500 and w["us_per_token"] > 0 for w in r["windows"])
+    assert all(w["tokens"] == 500 and duration(w["us_per_token"]) for w in r["windows"])
     assert r["last_over_first"] == r["windows"][-1]["us_per_token"] / r["windows"][0]["us_per_token"]
     assert r["deltas_join_to_the_full_decode"] is True and r["text_chars"] > 3000
     assert r["stop"] == ["NEVER-IN-THE-TEXT"] and r["tokens_per_step"] == 2
@@ -116,9 +122,15 @@ def test_structured(tiny_llama, tmp_path):
     assert {x["output_tokens"] for runs in t.values() for x in runs} == {24}
     assert len(t["unconstrained"]) == 2 and t["json_schema_new"][0]["masks"] >= 6
     assert t["unconstrained"][0]["masks"] == 0
-    assert r["ratio_to_unconstrained_median"]["json_schema_new"] > 0
-    assert r["split_step"]["one_call"] > 0 and r["split_step"]["two_calls"] > 0
-    assert all(v["n"] == 1 and v["median"] > 0 for v in r["ttft_s"].values())
+    # each constrained run against the mean of the unconstrained runs around it
+    free = [x["output_tok_s"] for x in t["unconstrained"]]
+    for name in ("json_schema_new", "json_schema_cached"):
+        assert all(x["ratio_to_unconstrained"] == pytest.approx(x["output_tok_s"] / ((free[i] + free[i + 1]) / 2))
+                   for i, x in enumerate(t[name]))
+        assert r["ratio_to_unconstrained_median"][name] == pytest.approx(
+            float(np.median([x["ratio_to_unconstrained"] for x in t[name]])))
+    assert duration(r["split_step"]["one_call"]) and duration(r["split_step"]["two_calls"])
+    assert all(v["n"] == 1 and duration(v["median"]) for v in r["ttft_s"].values())
 
 
 @pytest.mark.slow
@@ -129,9 +141,11 @@ def test_lora(tiny_llama, tmp_path):
             "--results-dir", str(tmp_path), "--tag", "lora")
     r = read_json(tmp_path / "lora.json")
     assert r["base_outputs_identical_with_lora_enabled"]
-    assert r["throughput_ratio_adapters_vs_base"]["output_tokens_per_s"] > 0
+    best = {k: max(x["output_tokens_per_s"] for x in r["runs"][k]) for k in ("base", "lora")}
+    assert r["throughput_ratio_adapters_vs_base"]["output_tokens_per_s"] == pytest.approx(
+        best["lora"] / best["base"])
     step = r["decode_step"]["lora_engine"]
-    assert step["shape"][1] >= 4 and all(step[f"{k}_adapters"]["wall_s"] > 0 for k in range(3))
+    assert step["shape"][1] >= 4 and all(duration(step[f"{k}_adapters"]["wall_s"]) for k in range(3))
     assert r["compilations_after_warmup"] == 0
 
 
