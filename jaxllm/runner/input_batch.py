@@ -16,7 +16,6 @@ from __future__ import annotations
 import numpy as np
 
 from jaxllm.core.block_pool import NULL_BLOCK
-from jaxllm.core.request import num_prompt_logprobs, num_sampled_logprobs, split_bad_words
 from jaxllm.core.scheduler import NewRequestData
 
 # per-row sampling columns: name -> (dtype, value for an empty row)
@@ -65,15 +64,6 @@ class InputBatch:
         return self._add(new.req_id, new.token_ids, new.num_prompt_tokens, new.block_ids,
                          new.sampling_params, new.seed, new.num_logprobs,
                          new.num_prompt_logprobs, new.multi_token_bad_words, new.lora_id)
-
-    def add(self, req_id: str, token_ids: list[int], num_prompt_tokens: int,
-            block_ids: list[int], params, seed: int,
-            bad_word_ids: list[list[int]] | None = None, lora_id: int | None = None) -> int:
-        """A row from the request's parts (add_request takes them from NewRequestData); the
-        facts are decided by jaxllm.core.request's rules."""
-        return self._add(req_id, token_ids, num_prompt_tokens, block_ids, params, seed,
-                         num_sampled_logprobs(params), num_prompt_logprobs(params),
-                         split_bad_words(bad_word_ids)[1], lora_id)
 
     def _add(self, req_id: str, token_ids: list[int], num_prompt_tokens: int,
              block_ids: list[int], params, seed: int, num_logprobs: int,

@@ -4,6 +4,8 @@ row's holders apart, and multi-token bad words."""
 import pytest
 
 from jaxllm.core.block_pool import NULL_BLOCK
+from jaxllm.core.request import Request
+from jaxllm.core.scheduler import NewRequestData
 from jaxllm.runner.input_batch import COLUMNS, InputBatch
 from jaxllm.sampling_params import SamplingParams
 
@@ -12,10 +14,17 @@ def make_batch(rows: int = 4, max_len: int = 32, width: int = 8) -> InputBatch:
     return InputBatch(rows, max_len, width)
 
 
-def add(batch, rid, tokens=(1, 2, 3), prompt=None, blocks=(5,), params=None, seed=0, **kw):
+def add(batch, rid, tokens=(1, 2, 3), prompt=None, blocks=(5,), params=None, seed=0,
+        bad_word_ids=None, lora_id=None):
+    """A row for a request of `prompt` prompt tokens (all of them by default), the rest of
+    `tokens` its output so far, as the scheduler sends it."""
     params = params or SamplingParams(max_tokens=4)
-    return batch.add(rid, list(tokens), len(tokens) if prompt is None else prompt, list(blocks),
-                     params, seed, **kw)
+    prompt = len(tokens) if prompt is None else prompt
+    req = Request(rid, list(tokens[:prompt]), params, None, seed, lora_id=lora_id,
+                  bad_word_ids=bad_word_ids)
+    for t in tokens[prompt:]:
+        req.append_output_token(t)
+    return batch.add_request(NewRequestData.from_request(req, list(blocks)))
 
 
 def test_rows_are_handed_out_lowest_first_and_a_freed_row_is_reused_first():
@@ -145,7 +154,7 @@ def test_a_row_from_the_schedulers_output_takes_the_request_facts():
     assert batch.cols["num_logprobs"][row] == req.num_logprobs == 0
     assert batch.cols["num_prompt_logprobs"][row] == 1 and batch.cols["seed"][row] == 9
     assert batch.bad_words[row] == [[6, 7]] and batch.rows_with_bad_words == {row}
-    # the same facts as the row built from the request's parts
+    # a sibling with the same parameters gets the same columns
     other = add(batch, "b", tokens=(1, 2, 3), params=req.sampling_params, seed=9,
                 bad_word_ids=[[5], [6, 7]])
     for name in COLUMNS:
