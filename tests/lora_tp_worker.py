@@ -21,7 +21,7 @@ def main():
     from jaxllm.lora.slots import LoRASlots
     from jaxllm.models import get_model_class
     from jaxllm.parallel import make_mesh
-    from test_lora import logits_fn
+    from lora_util import logits_fn
 
     ref = np.load(data)
     ids, ref = ref["ids"].tolist(), ref["logits"]

@@ -46,3 +46,7 @@ def stop(proc) -> None:
     if proc.poll() is None:
         proc.kill()
         proc.wait()
+
+
+# the server tests' engine: small, so that its buckets compile quickly
+SERVER_ENGINE = ["--max-model-len", "256", "--max-num-seqs", "16", "--max-num-batched-tokens", "128"]

@@ -14,7 +14,7 @@ from conftest import _tiny_config
 from jaxllm.models.arch import ArchConfig
 from jaxllm.parallel import plan, runtime_arch
 
-HERE = os.path.dirname(__file__)
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/
 
 
 def run_worker(model: str, sizes: str, backend: str = "cpu") -> dict:

@@ -19,9 +19,9 @@ from jaxllm.cli import main
 from jaxllm.loader import load_model
 from jaxllm.loader.convert import convert
 from jaxllm.loader import orbax as jo
-from test_models import all_logits, assert_same_tokenizer
+from model_util import all_logits, assert_same_tokenizer
 
-HERE = os.path.dirname(__file__)
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/
 
 
 def assert_same_model(ref, got):
@@ -120,7 +120,7 @@ def test_cpu_panels_are_packed_at_load_and_saved_unpacked(tmp_path, tokenizer_di
 
     from jaxllm.layers.dtype_policy import CPU_BF16_POLICY
     from jaxllm.kernels.cpu import panels as cpu_panels
-    from test_models import PANEL_SHAPES
+    from model_util import PANEL_SHAPES
     src, out = str(tmp_path / "src"), str(tmp_path / "ckpt")
     make_tiny_checkpoint(src, "llama3", tokenizer_dir, tie_word_embeddings=tied, **PANEL_SHAPES)
     plain = load_model(src, jnp.bfloat16, load_tokenizer=False)   # XLA's bf16: no kernel
@@ -174,7 +174,7 @@ def test_cpu_w8a8_codes_are_packed_at_load_and_saved_unpacked(tmp_path, tokenize
     holds the plain int8 codes, and restoring packs them again."""
     import dataclasses
     from jaxllm.kernels.cpu import panels as cpu_panels
-    from test_models import PANEL_SHAPES
+    from model_util import PANEL_SHAPES
     src, out = str(tmp_path / "src"), str(tmp_path / "ckpt")
     make_tiny_checkpoint(src, "llama3", tokenizer_dir, **PANEL_SHAPES)
     packed = load_model(src, jnp.float32, load_tokenizer=False, quantization="w8a8")

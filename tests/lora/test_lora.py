@@ -7,7 +7,6 @@ HF + PEFT's greedy output, with no recompilation.
 """
 import os
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -15,26 +14,9 @@ import pytest
 from conftest import SMALL_ENGINE, TINY_VARIANTS, make_tiny_checkpoint
 from jaxllm.lora import LoRARequest
 from jaxllm.lora.peft import LoRALayout, load_adapter
+from lora_util import hf_greedy, logits_fn, make_adapter
 
 MAX_RANK = 16
-
-
-def make_adapter(path, base_dir, seed: int = 0, **lora_kwargs):
-    """A PEFT adapter of random non-zero A and B (PEFT starts B at zero) saved under `path`;
-    returns the PEFT model (the reference)."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    torch.manual_seed(seed)
-    model = get_peft_model(base, LoraConfig(init_lora_weights=False, **lora_kwargs)).eval()
-    with torch.no_grad():  # small enough that the adapted model stays a sane language model
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.mul_(0.2)
-    model.save_pretrained(path)
-    return model
 
 
 def ref_logits(model, ids):
@@ -63,31 +45,6 @@ ADAPTERS = {
     "phi3_longrope": [dict(r=3, lora_alpha=6, target_modules=["qkv_proj", "down_proj"]),
                       dict(r=16, lora_alpha=16, target_modules=["o_proj"])],
 }
-
-
-def logits_fn(loaded, num_slots: int, ids, scan_layers: bool = True):
-    """f(slot weights, slot) -> our logits at every position of one prompt, every token run
-    with device slot `slot` (0: none), the layers scanned (CPU) or unrolled (GPU); compiled
-    once."""
-    from flax import nnx
-    from jaxllm.lora.ops import LoRAInputs
-    from jaxllm.layers.attention_metadata import kv_cache_shape
-    from test_models import prefill_metadata
-
-    md = jax.tree.map(jnp.asarray, prefill_metadata(len(ids)))
-    kv = jnp.zeros(kv_cache_shape(loaded.arch, md.block_tables.shape[1] + 1, md.block_size), jnp.float32)
-
-    @jax.jit
-    def run(state, weights, kv, ids, md, slot):
-        model = nnx.merge(loaded.graphdef, state)
-        model.scan_layers = scan_layers
-        slots = jnp.full(ids.shape, slot, jnp.int32)
-        lora = LoRAInputs.of(weights, slots, num_slots, loaded.arch.tp_size)
-        hidden, _ = model(kv, ids, md, lora=lora)
-        return model.compute_logits(hidden)
-
-    tokens = jnp.asarray(ids, jnp.int32)
-    return lambda weights, slot: np.asarray(run(loaded.state, weights, kv, tokens, md, jnp.int32(slot)))
 
 
 @pytest.mark.parametrize("variant", sorted(TINY_VARIANTS))
@@ -161,14 +118,6 @@ def lora_llm(tiny_llama):
     # by ~5e-4
     return LLM(tiny_llama, enable_lora=True, max_loras=3, max_lora_rank=MAX_RANK,
                max_cpu_loras=4, dtype="float32", **SMALL_ENGINE)
-
-
-def hf_greedy(model, ids, n):
-    import torch
-    with torch.no_grad():
-        out = model.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                             max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(ids):].tolist()
 
 
 def record_step_adapters(engine):
@@ -390,7 +339,8 @@ def test_tensor_parallel_adapters_sharded_and_exact(tmp_path, variant):
                              target_modules="all-linear")
     ids = np.random.default_rng(2).integers(0, 49152, size=21)
     np.savez(tmp_path / "ref.npz", ids=ids, logits=ref_logits(ref_model, ids.tolist()))
-    proc = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "lora_tp_worker.py"),
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, os.path.join(tests, "lora_tp_worker.py"),
                            base_dir, str(tmp_path / "ad"), str(tmp_path / "ref.npz")],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

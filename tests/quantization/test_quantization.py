@@ -18,7 +18,7 @@ from jaxllm.layers.dtype_policy import uniform_policy
 from jaxllm.loader import load_model
 from jaxllm.quantization import formats as F
 from jaxllm.quantization.qweight import QWeight, matmul_xla
-from test_models import all_logits, hf_logits
+from model_util import all_logits, hf_logits
 
 T = gguf.GGMLQuantizationType
 RNG = np.random.default_rng(0)
@@ -621,7 +621,7 @@ def test_tensor_parallel_quantized_weights(tiny_llama, tmp_path, default_gguf):
     hf = make_tiny_checkpoint(tmp_path / "hf", "llama3", seed=2)
     gguf_path = str(tmp_path / "q4_0.gguf")
     write_gguf(hf, gguf_path, tokenizer_from=default_gguf, qtype=T.Q4_0)
-    here = os.path.dirname(__file__)
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/
     for model, method in ((tiny_llama, "int8"), (gguf_path, "")):
         env = dict(os.environ, JAXLLM_TEST_QUANT=method)
         proc = subprocess.run([sys.executable, os.path.join(here, "tp_worker.py"), model, "1,2"],

@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from server_util import start_server, stop
-from test_server import SERVER_ENGINE
+from server_util import SERVER_ENGINE
 
 MODEL = "tiny-tools"
 # a Qwen2-style template: tools described in the system turn, calls as <tool_call> JSON, tool

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from server_util import free_port, start_server, stop
-from test_lora import hf_greedy, make_adapter
+from lora_util import hf_greedy, make_adapter
 
 MODEL = "tiny"
 # the engine of test_lora.py's lora_llm: its programs come from the shared compilation cache

@@ -166,7 +166,7 @@ def test_dummy_weights_from_a_bare_config(tmp_path):
 
 def test_real_shape_configs_parse():
     from jaxllm.models.arch import ArchConfig
-    here = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "configs")
+    here = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "configs")
     shapes = {}
     for name in ("llama-3-8b", "qwen2.5-7b", "llama-3.2-1b"):
         with open(os.path.join(here, name, "config.json")) as f:
@@ -278,7 +278,7 @@ def test_vllm_baseline_plumbing(tiny_llama, tmp_path):
     v = r["vllm"]
     assert v["output_tokens"] == 12 and v["requests"] == 3 and "tokens" not in v
     assert v["engine_kwargs"] == {"dtype": "float32"}
-    assert not v["cwd"].startswith(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert not v["cwd"].startswith(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert r["ratio_vs_vllm"] == pytest.approx(r["jaxllm"]["output_tokens_per_s"] / 6.0)
     assert v["same_tokens"] == 0  # the stand-in answers zeros
     assert main(["bench", "throughput", "--model", tiny_llama, "--baseline", "vllm"]) == 1

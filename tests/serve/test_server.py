@@ -12,12 +12,11 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from server_util import start_server, stop
+from server_util import SERVER_ENGINE, start_server, stop
 
 KEY = "test-key"
 MODEL = "tiny"
 # the same engine shape in every server test: compiled once per run (shared compilation cache)
-SERVER_ENGINE = ["--max-model-len", "256", "--max-num-seqs", "16", "--max-num-batched-tokens", "128"]
 
 
 @pytest.fixture(scope="module")

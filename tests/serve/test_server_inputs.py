@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from server_util import start_server, stop
-from test_server import SERVER_ENGINE
+from server_util import SERVER_ENGINE
 
 MODEL = "tiny"
 
