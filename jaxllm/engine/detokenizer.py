@@ -31,7 +31,7 @@ def token_pieces_apply(tokenizer) -> bool:
 
 
 def piece_table(tokenizer, skip_special_tokens: bool) -> dict | None:
-    """Every token's own text, from one batched native decode (~30 ms for 50k tokens), so
+    """Every token's own text, from one batched native decode (once per tokenizer), so
     that the loop looks tokens up and never decodes one alone: None where a token's text ends
     inside a character, and for added tokens (the decoder may treat them apart). None where
     token_pieces_apply does not hold."""
