@@ -150,10 +150,10 @@ def _run_batch(engine, requests, recorder=None) -> tuple[float, float, int, floa
             if out.outputs[0].token_ids:
                 waiting.discard(out.request_id)
             if out.finished and last is None and first is not None:
-                last, steps_at_last = time.perf_counter(), engine.runner.num_steps_collected
+                last, steps_at_last = time.perf_counter(), engine.runner.num_passes_collected
                 cpu_last, launches_last = time.thread_time(), launches()
         if first is None and not waiting:
-            first, steps_at_first = time.perf_counter(), engine.runner.num_steps_collected
+            first, steps_at_first = time.perf_counter(), engine.runner.num_passes_collected
             cpu_first, launches_first = time.thread_time(), launches()
     if last is None:  # one output token: no decode phase
         last, steps_at_last, cpu_last, launches_last = first, steps_at_first, cpu_first, launches_first

@@ -20,7 +20,7 @@ import time
 import numpy as np
 
 from benchmarks import datasets
-from benchmarks.common import percentiles, write_result
+from benchmarks.common import write_result
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -74,7 +74,7 @@ def throughput(llm, prompts, output_len: int, loras) -> dict:
     from jaxllm import SamplingParams
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     engine = llm.llm_engine
-    steps0 = engine.runner.num_steps
+    steps0 = engine.runner.num_passes_dispatched
     t, c = time.perf_counter(), time.process_time()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
                         lora_request=loras)
@@ -83,7 +83,7 @@ def throughput(llm, prompts, output_len: int, loras) -> dict:
     n_in = sum(len(p) for p in prompts)
     return {"seconds": secs, "cpu_seconds": cpu, "output_tokens_per_s": n_out / secs,
             "output_tokens_per_cpu_s": n_out / cpu, "total_tokens_per_s": (n_in + n_out) / secs,
-            "steps": engine.runner.num_steps - steps0, "_tokens": [o.outputs[0].token_ids for o in outs]}
+            "steps": engine.runner.num_passes_dispatched - steps0, "_tokens": [o.outputs[0].token_ids for o in outs]}
 
 
 def replay(runner, shape, inputs, token_slots, steps: int, blocks: int = 3) -> dict:
@@ -253,7 +253,7 @@ def run(args) -> int:
         recompiles = lora_llm.llm_engine.runner.num_compiles_after_warmup
     best = {k: max(runs[k], key=lambda r: r["output_tokens_per_s"]) for k in runs}
     best_cpu = {k: max(runs[k], key=lambda r: r["output_tokens_per_cpu_s"]) for k in runs}
-    base, lora_base, lora = best["base"], best["lora_base"], best["lora"]
+    base, lora_base = best["base"], best["lora_base"]
     same_base = base["_tokens"] == lora_base["_tokens"]
     for rs in runs.values():
         for r in rs:

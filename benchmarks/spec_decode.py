@@ -62,7 +62,7 @@ def _measure(llm, samples, batch: int) -> dict:
 
     engine = llm.llm_engine
     before = engine.stats()
-    steps0 = engine.runner.num_steps
+    steps0 = engine.runner.num_passes_dispatched
     tokens, n_out = [], 0
     start = time.perf_counter()
     for i in range(0, len(samples), batch):
@@ -76,7 +76,7 @@ def _measure(llm, samples, batch: int) -> dict:
             n_out += len(o.outputs[0].token_ids)
     secs = time.perf_counter() - start
     r = {"seconds": secs, "requests": len(samples), "output_tokens": n_out,
-         "output_tokens_per_s": n_out / secs, "steps": engine.runner.num_steps - steps0,
+         "output_tokens_per_s": n_out / secs, "steps": engine.runner.num_passes_dispatched - steps0,
          "_tokens": tokens}
     if engine.speculator is not None:
         r["speculative_decoding"] = spec_report(before, engine.stats())

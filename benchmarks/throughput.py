@@ -106,7 +106,7 @@ def run_jaxllm(llm, rounds, chat) -> dict:
         return [o.outputs[0].token_ids for o in outs]
 
     engine = llm.llm_engine
-    steps0 = engine.runner.num_steps
+    steps0 = engine.runner.num_passes_dispatched
     spec0 = engine.stats()
     start = time.perf_counter()
     if chat is not None:
@@ -123,7 +123,7 @@ def run_jaxllm(llm, rounds, chat) -> dict:
         "output_tokens": n_out, "output_tokens_per_s": n_out / secs,
         "total_tokens_per_s": (n_in + n_out) / secs, "prompt_tokens": n_in,
         "cached_prompt_tokens": cached, "ttft_s": percentiles(ttft), "e2e_s": percentiles(e2e),
-        "steps": engine.runner.num_steps - steps0, "preemptions": engine.num_preemptions,
+        "steps": engine.runner.num_passes_dispatched - steps0, "preemptions": engine.num_preemptions,
         "_tokens": tokens,  # for comparing with a peer; not written
     }
 

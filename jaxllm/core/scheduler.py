@@ -96,7 +96,7 @@ class SchedulerOutput:
     scheduled_reqs: dict[str, Request] = field(default_factory=dict, repr=False)
     # multi-step scheduling: the passes of this step (> 1: every scheduled request decodes,
     # num_scheduled_tokens[r] passes of them for r, one output token per pass)
-    num_steps: int = 1
+    num_passes: int = 1
 
     @property
     def is_empty(self) -> bool:
@@ -493,7 +493,7 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is None or req is not out.scheduled_reqs[rid] or req.status.finished:
                 continue
-            req.num_output_placeholders -= (out.num_scheduled_tokens[rid] if out.num_steps > 1
+            req.num_output_placeholders -= (out.num_scheduled_tokens[rid] if out.num_passes > 1
                                              else 1)
             drafts = out.scheduled_spec_decode_tokens.get(rid)
             if drafts:

@@ -51,7 +51,7 @@ class InputPreparer:
         batch = self.batch
         req_ids = list(out.num_scheduled_tokens)
         rows = np.fromiter((batch.row_of[r] for r in req_ids), np.int32, len(req_ids))
-        if out.num_steps > 1:
+        if out.num_passes > 1:
             n = np.ones(len(req_ids), np.int32)
         else:
             n = np.fromiter((out.num_scheduled_tokens[r] for r in req_ids), np.int32, len(req_ids))
@@ -69,7 +69,7 @@ class InputPreparer:
             nd = np.zeros(len(req_ids), np.int32)
         S_real, T_real = len(req_ids), int(n.sum())
         # a multi-step call takes the decode shape, compiled before serving (passes_shapes)
-        T, S = (self.shapes.pick if out.num_steps > 1 else pick_shape)(T_real, S_real)
+        T, S = (self.shapes.pick if out.num_passes > 1 else pick_shape)(T_real, S_real)
         md = attention_metadata(starts, n, batch.block_table[rows], T, S, self.block_size,
                                 self.q_tile(T))
         tok_rows = rows[md.token_seq_ids[:T_real]]

@@ -85,8 +85,8 @@ class ModelRunner:
         self.batch = InputBatch(max_num_seqs, max_model_len, self.max_blocks_per_seq)
         self._pending_rows: list[tuple[int, object]] = []  # rows whose sampler state to rebuild
         self._allow_all: dict[int, jax.Array] = {}  # per S: the bitmask of unconstrained steps
-        self.num_steps = 0            # forward passes dispatched (a multi-step call: its passes)
-        self.num_steps_collected = 0  # ... and read back by collect()
+        self.num_passes_dispatched = 0  # forward passes dispatched (a multi-step call: its passes)
+        self.num_passes_collected = 0   # ... and read back by collect()
         self.device_wait_seconds = 0.0  # host time spent waiting for steps' results
         self.leader = Leader()
         # speculative decoding: k proposals per step at most; a draft model (spec_decode)
@@ -345,14 +345,14 @@ class ModelRunner:
         slots = None
         if self.lora is not None:
             slots, self.lora_failures = self.inputs.token_slots(step.rows, inputs[1], shape[0])
-        if out.num_steps > 1:
+        if out.num_passes > 1:
             num = np.zeros(shape[1], np.int32)
             num[:len(step.req_ids)] = [out.num_scheduled_tokens[r] for r in step.req_ids]
             res = self.run_passes(shape, inputs, num, slots)
-            self.num_steps += int(num.max())
+            self.num_passes_dispatched += int(num.max())
             return InFlight(step, res, bool(smd.any_logprobs), False, passes=int(num.max()))
         fwd = self.run_forward(shape, inputs, slots)
-        self.num_steps += 1
+        self.num_passes_dispatched += 1
         flight = InFlight(step, None, bool(smd.any_logprobs), bool(smd.any_prompt_logprobs), fwd)
         if not masked:
             self.sample(flight)
@@ -383,7 +383,7 @@ class ModelRunner:
         if flight is None:
             return result
         st, res = flight.step, flight.result
-        self.num_steps_collected += flight.passes
+        self.num_passes_collected += flight.passes
         t = time.perf_counter()
         tokens = to_host(res.tokens)  # waits for the device
         self.device_wait_seconds += time.perf_counter() - t

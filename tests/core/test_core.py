@@ -22,7 +22,7 @@ def make(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, max_model_len=1
 def run_step(s, token=7):
     out = s.schedule()
     # a multi-step call emits a token per pass
-    sampled = {rid: [token] * (out.num_scheduled_tokens[rid] if out.num_steps > 1 else 1)
+    sampled = {rid: [token] * (out.num_scheduled_tokens[rid] if out.num_passes > 1 else 1)
                for rid in out.sampling_req_ids}
     return out, s.update_from_output(out, sampled)
 
@@ -239,9 +239,9 @@ def test_multi_step_only_while_every_request_decodes():
     s.add_request(req("a", 5, max_tokens=10))
     s.add_request(req("b", 3, max_tokens=2))
     out, _ = run_step(s)  # prompts: one pass
-    assert out.num_steps == 1 and out.num_scheduled_tokens == {"a": 5, "b": 3}
+    assert out.num_passes == 1 and out.num_scheduled_tokens == {"a": 5, "b": 3}
     out = s.schedule()  # both decode: b may emit 1 more token, a 4
-    assert out.num_steps == 4 and out.num_scheduled_tokens == {"a": 4, "b": 1}
+    assert out.num_passes == 4 and out.num_scheduled_tokens == {"a": 4, "b": 1}
     # its tokens past the first are the requests' own, not proposals to verify (a step with
     # proposals is read before the next is scheduled: the async loop would stop overlapping)
     assert not out.scheduled_spec_decode_tokens
@@ -257,24 +257,24 @@ def test_multi_step_only_while_every_request_decodes():
     s.add_request(req("c", 3, max_tokens=20))
     run_step(s)
     out = s.schedule()  # async: scheduled again before the last call's tokens are known
-    assert out.num_steps == 4 and out.num_scheduled_tokens == {"c": 4}
+    assert out.num_passes == 4 and out.num_scheduled_tokens == {"c": 4}
     out2 = s.schedule()
-    assert out2.num_steps == 4 and out2.num_scheduled_tokens == {"c": 4}
+    assert out2.num_passes == 4 and out2.num_scheduled_tokens == {"c": 4}
     assert s.requests["c"].num_output_placeholders == 8
     s.add_request(req("d", 3))  # an arrival: the next step is single, and admits it
     out3 = s.schedule()
-    assert out3.num_steps == 1 and out3.num_scheduled_tokens == {"c": 1, "d": 3}
+    assert out3.num_passes == 1 and out3.num_scheduled_tokens == {"c": 1, "d": 3}
     for o in (out, out2, out3):
-        s.update_from_output(o, {rid: [7] * (o.num_scheduled_tokens[rid] if o.num_steps > 1 else 1)
+        s.update_from_output(o, {rid: [7] * (o.num_scheduled_tokens[rid] if o.num_passes > 1 else 1)
                                  for rid in o.sampling_req_ids})
     assert s.requests["c"].num_output_tokens == 1 + 4 + 4 + 1
     assert s.requests["c"].num_output_placeholders == 0
-    assert s.schedule().num_steps == 4  # both decode now
+    assert s.schedule().num_passes == 4  # both decode now
 
     s2, _ = make(num_scheduler_steps=4, budget=4)
     s2.add_request(req("long", 9, max_tokens=5))
     out = s2.schedule()  # a prompt over two steps: single passes until it decodes
-    assert out.num_steps == 1 and out.num_scheduled_tokens == {"long": 4}
+    assert out.num_passes == 1 and out.num_scheduled_tokens == {"long": 4}
 
 
 def test_multi_step_call_admits_no_prompt_through_prefix_hits():
@@ -288,12 +288,12 @@ def test_multi_step_call_admits_no_prompt_through_prefix_hits():
     run_step(s)  # two prompts of 4 blocks each: 3 blocks free
     s.add_request(req("c", 16))  # a's prompt: 3 of its blocks are hits, 1 more would do
     out, _ = run_step(s)
-    assert out.num_steps == 4 and set(out.num_scheduled_tokens) == {"a", "b"}
+    assert out.num_passes == 4 and set(out.num_scheduled_tokens) == {"a", "b"}
     assert s.waiting[0].request_id == "c" and s.waiting[0].num_computed_tokens == 0
     out, _ = run_step(s)  # a ends (6 tokens): its blocks come back and c joins, single step
     assert s.requests.get("a") is None
     out, _ = run_step(s)
-    assert out.num_steps == 1 and set(out.num_scheduled_tokens) == {"b", "c"}
+    assert out.num_passes == 1 and set(out.num_scheduled_tokens) == {"b", "c"}
     assert out.num_scheduled_tokens["c"] == 4  # past its 12 cached tokens
 
 
@@ -306,7 +306,7 @@ def test_multi_step_goes_on_while_the_waiting_head_cannot_fit():
     run_step(s)  # two prompts: 8 blocks
     s.add_request(req("big", 20))  # needs 6 blocks: 3 are free
     out, _ = run_step(s)
-    assert out.num_steps == 4 and out.num_scheduled_tokens == {"a": 1, "b": 4}
+    assert out.num_passes == 4 and out.num_scheduled_tokens == {"a": 1, "b": 4}
     assert s.requests.get("a") is None and s.waiting[0].request_id == "big"
     out, _ = run_step(s)  # a's blocks are back: big fits and joins in a single step
-    assert out.num_steps == 1 and set(out.num_scheduled_tokens) == {"b", "big"}
+    assert out.num_passes == 1 and set(out.num_scheduled_tokens) == {"b", "big"}

@@ -88,7 +88,7 @@ def test_multi_step_runs_several_passes_per_call(engines, overlap):
         dispatch = engine.runner.dispatch
         # each call's passes, and whether the step before it was still unread (in flight)
         engine.runner.dispatch = lambda out, *a: (
-            calls.append((out.num_steps, engine._in_flight is not None)), dispatch(out, *a))[1]
+            calls.append((out.num_passes, engine._in_flight is not None)), dispatch(out, *a))[1]
         try:
             for i in range(4):
                 engine.add_request(f"m{i}", prompts[i], params(i, stop if i == 2 else None))

@@ -186,7 +186,7 @@ def test_multi_step_calls_apply_each_requests_adapter(lora_llm, adapters, tiny_l
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=1)
     calls = []
     dispatch = multi.llm_engine.runner.dispatch
-    multi.llm_engine.runner.dispatch = lambda out, *a: (calls.append(out.num_steps), dispatch(out, *a))[1]
+    multi.llm_engine.runner.dispatch = lambda out, *a: (calls.append(out.num_passes), dispatch(out, *a))[1]
     got = multi.generate(prompts, params, use_tqdm=False, lora_request=loras)
     ref = lora_llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
     assert calls.count(4) >= 2
