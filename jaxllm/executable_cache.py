@@ -44,7 +44,7 @@ ENV_PREFIXES = ("JAX_", "XLA_")
 # variables that name where things are kept, not what is computed
 ENV_IGNORED = {"JAX_COMPILATION_CACHE_DIR"}
 ADDRESS = re.compile(r"0x[0-9a-fA-F]{6,}")
-FORMAT = 1  # bump when what an entry holds changes
+FORMAT = 2  # bump when what an entry holds changes
 
 _directory: str | None = None
 
@@ -219,8 +219,12 @@ def compile(fn, *args, options=None):
     if os.path.exists(path):
         try:
             with open(path, "rb") as f:
-                payload, in_tree, out_tree = pickle.loads(f.read())
-            return serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+                payload, in_tree, out_tree, device_ids = pickle.loads(f.read())
+            # the devices it was compiled for: by default a loaded executable would span every
+            # device of the process (a one-device step on a machine of eight)
+            by_id = {d.id: d for d in jax.devices()}
+            return serialize_executable.deserialize_and_load(
+                payload, in_tree, out_tree, execution_devices=[by_id[i] for i in device_ids])
         except Exception as e:  # noqa: BLE001  (a bad entry costs a compile, nothing else)
             logger.warning("executable cache: dropping unreadable entry %s (%s)", path, e)
             try:
@@ -233,7 +237,8 @@ def compile(fn, *args, options=None):
         logger.debug("executable cache: %s came from JAX's cache, not kept", path)
         return compiled
     try:
-        blob = pickle.dumps(serialize_executable.serialize(compiled))
+        device_ids = [d.id for d in compiled.runtime_executable().local_devices()]
+        blob = pickle.dumps((*serialize_executable.serialize(compiled), device_ids))
     except Exception as e:  # noqa: BLE001  (some executables cannot be serialized)
         logger.debug("executable cache: not kept (%s)", e)
         return compiled

@@ -266,3 +266,33 @@ def test_the_engine_uses_one_persistent_cache(tmp_path, monkeypatch):
     finally:
         jax.config.update("jax_compilation_cache_dir", before)
         ec.configure(os.environ["JAXLLM_COMPILATION_CACHE_DIR"])
+
+
+DEVICES_SCRIPT = """
+import os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["JAX_PLATFORMS"] = "cpu"
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jaxllm import executable_cache as ec
+ec.configure(sys.argv[1])
+devs = jax.devices()
+for ds in ([devs[0]], devs[2:6]):
+    rep = NamedSharding(Mesh(np.array(ds), ("tp",)), P())
+    f = jax.jit(lambda x: x * 2, in_shardings=rep, out_shardings=rep)
+    exe = ec.compile(f, jax.ShapeDtypeStruct((4,), jnp.float32, sharding=rep))
+    print(len(ds), float(exe(jax.device_put(np.ones(4, np.float32), rep)).sum()))
+"""
+
+
+def test_an_executable_loads_onto_the_devices_it_was_compiled_for(tmp_path):
+    """An executable kept for a mesh of some of the process' devices (one of eight, four of
+    eight) loads onto those devices in another process, not onto all eight."""
+    import subprocess
+    import sys
+    runs = [subprocess.run([sys.executable, "-c", DEVICES_SCRIPT, str(tmp_path)], capture_output=True,
+                           text=True, timeout=300) for _ in range(2)]
+    for r in runs:
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert r.stdout.split() == ["1", "8.0", "4", "8.0"]
+    assert entries(tmp_path / "executables") == 2  # the second process loaded both
