@@ -20,6 +20,15 @@ from jaxllm.loader.loader import default_model_path, get_tokenizer  # noqa: E402
 SMALL_ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256)
 
 
+def pytest_collection_modifyitems(items):
+    """Modules run in the order of their file names, whatever folder holds them (a stable
+    sort: a module's tests stay together and in order). The modules that build the most
+    engines (async scheduling and speculation) then run first, while the process holds few
+    compiled executables: each maps memory regions, and past vm.max_map_count XLA:CPU cannot
+    map more compiled code and aborts."""
+    items.sort(key=lambda item: os.path.basename(str(item.fspath)))
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _collect_module_engines():
     """The engines a finished module's fixtures held are collected before the next module
