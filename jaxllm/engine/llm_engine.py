@@ -15,7 +15,7 @@ import numpy as np
 
 from jaxllm.config import EngineConfig
 from jaxllm.core.request import Request, RequestStatus
-from jaxllm.core.scheduler import SchedulerOutput
+from jaxllm.core.scheduler_output import SchedulerOutput
 from jaxllm.engine.builder import advise_huge_pages, build_engine, process_seconds, warm_up
 from jaxllm.engine.input_processor import EngineRequest, InputProcessor
 from jaxllm.engine.output_processor import OutputProcessor

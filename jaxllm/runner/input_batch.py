@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxllm.core.block_pool import NULL_BLOCK
-from jaxllm.core.scheduler import NewRequestData
+from jaxllm.core.scheduler_output import NewRequestData
 
 # per-row sampling columns: name -> (dtype, value for an empty row)
 COLUMNS = {

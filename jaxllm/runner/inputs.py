@@ -11,7 +11,7 @@ from typing import Callable
 
 import numpy as np
 
-from jaxllm.core.scheduler import SchedulerOutput
+from jaxllm.core.scheduler_output import SchedulerOutput
 from jaxllm.layers.attention import AttentionMetadata
 from jaxllm.layers.attention_metadata import attention_metadata
 from jaxllm.runner.buckets import StepShapes

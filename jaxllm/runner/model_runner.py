@@ -18,7 +18,7 @@ import time
 import jax
 import numpy as np
 
-from jaxllm.core.scheduler import SchedulerOutput
+from jaxllm.core.scheduler_output import SchedulerOutput
 from jaxllm.layers.attention import q_tile_size
 from jaxllm.parallel import make_mesh, platform_of, sharding
 from jaxllm.parallel import multiprocess as mp

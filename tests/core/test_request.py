@@ -8,7 +8,8 @@ import pytest
 from jaxllm.core.kv_cache_manager import KVCacheManager
 from jaxllm.core.request import (Request, RequestStatus, num_sampled_logprobs, split_bad_words,
                                  wants_cumulative_logprob)
-from jaxllm.core.scheduler import NewRequestData, Scheduler
+from jaxllm.core.scheduler import Scheduler
+from jaxllm.core.scheduler_output import NewRequestData
 from jaxllm.sampling_params import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -5,7 +5,7 @@ import pytest
 
 from jaxllm.core.block_pool import NULL_BLOCK
 from jaxllm.core.request import Request
-from jaxllm.core.scheduler import NewRequestData
+from jaxllm.core.scheduler_output import NewRequestData
 from jaxllm.runner.input_batch import COLUMNS, InputBatch
 from jaxllm.sampling_params import SamplingParams
 
