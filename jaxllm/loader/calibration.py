@@ -21,8 +21,6 @@ from jaxllm.layers.attention_metadata import kv_cache_shape, table_width
 
 logger = logging.getLogger(__name__)
 
-SITES = ("wqkv", "wo", "w_gate_up", "w_down")  # the model's projection sites under `lora=`
-
 
 def activation_maxima(graphdef, state, arch, chunks: list[list[int]]) -> dict[str, np.ndarray]:
     """Per input channel, max |x| over the chunks' tokens of the input of every projection
@@ -38,19 +36,9 @@ def activation_maxima(graphdef, state, arch, chunks: list[list[int]]) -> dict[st
                 maxima[name] = np.zeros((arch.num_layers, amax.shape[-1]), np.float32)
             maxima[name][int(layer)] = np.maximum(maxima[name][int(layer)], amax)
 
-    class Probe:
-        """Stands in for a step's LoRA inputs: `weights` are scanned with the layers' (so
-        each layer's hook knows its index) and `hook` sees each projection's input."""
-
-        def __init__(self):
-            self.weights = {"layer": jnp.arange(arch.num_layers, dtype=jnp.int32)}
-
-        def hook(self, site, layer_weights, policy):
-            def record(x, y):
-                amax = jnp.max(jnp.abs(x.astype(jnp.float32)).reshape(-1, x.shape[-1]), axis=0)
-                jax.debug.callback(partial(sink, site), layer_weights["layer"], amax)
-                return y
-            return record
+    def observe(site, layer, x):
+        amax = jnp.max(jnp.abs(x.astype(jnp.float32)).reshape(-1, x.shape[-1]), axis=0)
+        jax.debug.callback(partial(sink, site), layer, amax)
 
     T, bs = len(chunks[0]), 16
     width = table_width(T, bs)
@@ -63,14 +51,15 @@ def activation_maxima(graphdef, state, arch, chunks: list[list[int]]) -> dict[st
     def forward(state, ids):
         model = nnx.merge(graphdef, state)
         kv = jnp.zeros(kv_cache_shape(arch, width + 1, bs), model.policy.activation)
-        hidden, _ = model(kv, ids, md, lora=Probe())
+        hidden, _ = model(kv, ids, md, observe=observe)
         return hidden[-1]
 
     for c in chunks:
         forward(state, jnp.asarray(c, jnp.int32)).block_until_ready()
     jax.effects_barrier()
-    missing = [s for s in SITES if f"layers.{s}" not in maxima]
-    if missing:  # a family whose projections skip the hook would be smoothed blind
+    sites = type(nnx.merge(graphdef, state)).PROJECTION_SITES
+    missing = [s for s in sites if f"layers.{s}" not in maxima]
+    if missing:  # a family whose projections skip `observe` would be smoothed blind
         raise ValueError(f"SmoothQuant calibration saw no input for {missing} of {arch.architecture}")
     return maxima
 

@@ -111,6 +111,8 @@ class LlamaForCausalLM(nnx.Module):
     GGUF_WEIGHTS = WeightMap(r"blk\.(\d+)\.(.+)", _GGUF_LAYER, _GGUF_WHOLE)
     GGUF_ARCHITECTURES = ("llama",)
     KV_CACHE_AXES = ("layers", "kv", "kv_heads", "slots", "head_dim")
+    # the matrices each layer applies, by parameter name: where adapters add and `observe` looks
+    PROJECTION_SITES = ("wqkv", "wo", "w_gate_up", "w_down")
 
     @classmethod
     def arch_from_hf(cls, cfg: dict) -> ArchConfig:
@@ -253,9 +255,10 @@ class LlamaForCausalLM(nnx.Module):
         return jnp.asarray(rope_inv_freq(rot, cfg.rope_theta, cfg.rope_scaling)), rope_mscale(cfg.rope_scaling)
 
     def __call__(self, kv_cache: jax.Array, input_ids: jax.Array, md: AttentionMetadata,
-                 lora=None) -> tuple[jax.Array, jax.Array]:
+                 lora=None, observe=None) -> tuple[jax.Array, jax.Array]:
         """Returns (final-normed hidden states [T, E], new kv_cache). `lora`: the step's
-        adapters (jaxllm.lora.ops.LoRAInputs), their weights scanned with the layers'."""
+        adapters (jaxllm.lora.ops.LoRAInputs), their weights scanned with the layers'.
+        `observe(site, layer, x)`, traced: sees the input x of each of PROJECTION_SITES of each layer (a traced index); calibration records it."""
         cfg, pol = self.cfg, self.policy
         T = input_ids.shape[0]
         H, K, D, F, tp = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.tp_size
@@ -274,7 +277,14 @@ class LlamaForCausalLM(nnx.Module):
             x, kv, i = carry
 
             def adapters(site):
-                return None if lora is None else lora.hook(site, w["lora"], pol)
+                adapter = None if lora is None else lora.hook(site, w["lora"], pol)
+                if observe is None:
+                    return adapter
+
+                def observed(x, y):
+                    observe(site, i, x)
+                    return y if adapter is None else adapter(x, y)
+                return observed
 
             h = rms_norm(x, w["input_norm"], eps)
             qkv = linear(h, w["wqkv"], pol, w.get("bqkv"), adapters("wqkv"), real)

@@ -13,9 +13,9 @@ per-token quantization (the CPU kernel and the XLA path do it with a QWeight's `
 vector). In exact arithmetic x @ W^T is unchanged; alpha sets how much of the range moves.
 
 max|X_j| comes from the float model itself, run over a calibration text at load
-(jaxllm.loader.calibration): its forward pass's `lora=` hook names every projection site and receives the layer's slice of the scanned
-weights, so a probe put there records each projection's input without a second copy of the
-model. The text is the last topics of CPython's `pydoc_data.topics` (in every Python
+(jaxllm.loader.calibration): the model's forward pass takes an `observe` callback that sees
+each projection's input with its site and layer index, so calibration records them without a
+second copy of the model. The text is the last topics of CPython's `pydoc_data.topics` (in every Python
 install), disjoint from the first tokens of the same text that `jaxllm bench quality` scores.
 
 q/k/v are one fused matrix reading one input, and gate/up another, so each fused matrix has
