@@ -287,7 +287,9 @@ def main(argv=None) -> int:
             ("detok", "detok", "the detokenizer's cost per token along a long stream", False),
             ("quality", "quality", "perplexity and greedy agreement per weight format", False),
             ("aot", "gpu_aot", "compile kernels and engine step for a GPU without one", False),
-            ("startup", "startup", "start-to-ready and weight loading: source vs Orbax, cold and warm", True)):
+            ("startup", "startup", "start-to-ready and weight loading: source vs Orbax, cold and warm", True),
+            ("revisions", "revisions", "one benchmark at two revisions of this repository, alternated",
+             False)):
         mod = importlib.import_module(f"benchmarks.{module}")
         b = bench.add_parser(name, help=help_)
         if engine:

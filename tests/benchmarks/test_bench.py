@@ -112,6 +112,31 @@ def test_detok(tiny_llama, tmp_path):
     assert r["stop"] == ["NEVER-IN-THE-TEXT"] and r["tokens_per_step"] == 2
 
 
+def test_revisions(tiny_llama, tmp_path, capsys):
+    """One benchmark at two revisions, each from a worktree of its own, alternated; the
+    worktrees are gone afterwards. HEAD against itself: the deterministic field agrees."""
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    trees = subprocess.run(["git", "worktree", "list"], capture_output=True, text=True).stdout
+    run_cli("bench", "revisions", "--before", "HEAD", "--after", head, "--pairs", "1",
+            "--metric", "text_chars", "--results-dir", str(tmp_path), "--tag", "rev", "--",
+            "detok", "--model", tiny_llama, "--num-tokens", "300", "--window", "100")
+    r = read_json(tmp_path / "rev.json")
+    assert r["before"]["revision"] == r["after"]["revision"] == head
+    assert len(r["before"]["runs"]) == len(r["after"]["runs"]) == 1
+    assert r["before"]["runs"][0] == r["after"]["runs"][0] > 300
+    assert r["after_over_before"] == 1.0 and r["benchmark"].startswith("jaxllm bench detok")
+    assert [len(r["results"][side]) for side in ("before", "after")] == [1, 1]
+    assert subprocess.run(["git", "worktree", "list"], capture_output=True, text=True).stdout == trees
+    assert main(["bench", "revisions", "--before", "HEAD", "--metric", "no.such", "--results-dir",
+                 str(tmp_path), "--", "detok", "--model", tiny_llama, "--num-tokens", "300",
+                 "--window", "100"]) == 1
+    assert "--metric: the result has no field 'no.such'" in capsys.readouterr().err
+    assert main(["bench", "revisions", "--before", "no-such-revision", "--results-dir", str(tmp_path),
+                 "--", "detok", "--model", tiny_llama]) == 1
+    assert "not a revision" in capsys.readouterr().err
+
+
 def test_structured(tiny_llama, tmp_path):
     run_cli("bench", "structured", "--model", tiny_llama, *ENGINE, "--num-requests", "4",
             "--output-len", "6", "--rounds", "1", "--num-ttft", "1", "--results-dir",
