@@ -33,6 +33,7 @@ from jaxllm.core.block_pool import NULL_BLOCK
 from jaxllm.layers.attention import AttentionMetadata, max_tiles
 from jaxllm import executable_cache
 from jaxllm.runner.block_ops import BlockOps
+from jaxllm.runner.compiler import abstract
 from jaxllm.runner.kv_cache import allocate_kv_cache
 from jaxllm.runner.rejection_sampler import DRAFT_STREAM, _stream_key
 from jaxllm.runner.sampler import argmax, filter_logits, process_logits
@@ -159,18 +160,14 @@ class DraftModel:
         return kv, new
 
     # host side
-    def _abstract(self, tree):
-        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
-
     def _compile_mirror(self, runner, T: int, S: int):
-        from jaxllm.runner.rejection_sampler import VerifyOutput  # noqa: F401  (shapes below)
         ids, md, _, smd, vmd = runner.compiler.abstract_inputs(T, S)
         rep = runner.replicated
         sds = jax.ShapeDtypeStruct
         tokens = sds((S, self.k + 1), jnp.int32, sharding=rep)
         num = sds((S,), jnp.int32, sharding=rep)
-        return executable_cache.compile(self._mirror, self._abstract(self.state),
-                                        self._abstract(self.kv_cache), ids, md, smd, vmd, tokens, num)
+        return executable_cache.compile(self._mirror, abstract(self.state),
+                                        abstract(self.kv_cache), ids, md, smd, vmd, tokens, num)
 
     def _compile_decode(self, runner, S: int):
         _, md, _, smd, _ = runner.compiler.abstract_inputs(S, S)
@@ -179,10 +176,10 @@ class DraftModel:
         smd = dataclasses.replace(smd, next_ids=sds((1,), jnp.int32))  # per token: not needed
         i32 = lambda: sds((S,), jnp.int32, sharding=rep)  # noqa: E731
         start = (i32(), i32(), i32(), sds((S,), jnp.bool_, sharding=rep))
-        return executable_cache.compile(self._decode, self._abstract(self.state),
-                                        self._abstract(self.kv_cache),
-                                        self._abstract(runner.spec_state),
-                                        self._abstract(runner.sampler_state), md.block_tables, smd,
+        return executable_cache.compile(self._decode, abstract(self.state),
+                                        abstract(self.kv_cache),
+                                        abstract(runner.spec_state),
+                                        abstract(runner.sampler_state), md.block_tables, smd,
                                         start, i32())
 
     def compile_all(self, runner, progress: bool = True) -> None:
