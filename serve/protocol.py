@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from jaxllm.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -221,10 +221,20 @@ class ToolCallMessage(_Model):
 
 class ChatMessage(_Model):
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[ContentPart] | None = None
+    # validated when absent too: only an assistant's message may go without content
+    content: str | list[ContentPart] | None = Field(None, validate_default=True)
     name: str | None = None
     tool_calls: list[ToolCallMessage] | None = None
     tool_call_id: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _content_needed(cls, content, info: ValidationInfo):
+        # as OpenAI: null content is an assistant's (one that calls tools) only
+        role = info.data.get("role")
+        if content is None and role is not None and role != "assistant":
+            raise ValueError(f"a {role} message needs content (a string or a list of parts)")
+        return content
 
     def plain(self) -> dict:
         """The message as chat templates take it (tool calls' arguments as objects, as HF

@@ -96,6 +96,11 @@ BAD_INPUTS = [
     ("guided_json", CMPL, {"prompt": "x", "guided_json": {"type": "object"}}, 400, "guided_json"),
     ("guided_choice", CHAT, {"messages": MSG, "guided_choice": ["a", "b"]}, 400, "guided_choice"),
     ("lora_request", CMPL, {"prompt": "x", "lora_request": {"lora_name": "a"}}, 400, "lora_request"),
+    # as OpenAI: only an assistant's message (one calling tools) may have null content
+    ("null user content", CHAT, {"messages": [{"role": "user", "content": None}]}, 400,
+     "messages.0.content"),
+    ("null system content", CHAT, {"messages": [{"role": "system", "content": None}] + MSG}, 400,
+     "messages.0.content"),
     ("tool result without its call", CHAT,
      {"messages": MSG + [{"role": "tool", "content": "42"}]}, 400, "messages"),
     ("beam search with a constraint", CMPL,
