@@ -35,6 +35,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None, help="HF directory or GGUF file (default: SmolLM2-135M-Instruct)")
     g.add_argument("--tokenizer", default=None)
+    g.add_argument("--skip-tokenizer-init", action="store_true", default=None,
+                   help="load no tokenizer: prompts are token ids, outputs token ids without text")
     g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"])

@@ -25,6 +25,9 @@ class EngineConfig:
 
     model: str | None = None
     tokenizer: str | None = None
+    # no tokenizer at all: prompts are token ids, outputs token ids without text; what needs
+    # text (text prompts, stop strings, chat, structured outputs) is refused
+    skip_tokenizer_init: bool = False
     dtype: str = "auto"
     max_model_len: int | None = None
     load_format: str = "auto"
@@ -132,9 +135,11 @@ class EngineConfig:
         validate_int4_activations(self.int4_activations)
         for name in ("cpu_kernels", "cpu_amx", "huge_pages", "executable_cache",
                      "enable_prefix_caching", "async_scheduling", "enable_lora", "warmup",
-                     "compile_in_background"):
+                     "compile_in_background", "skip_tokenizer_init"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.skip_tokenizer_init and self.tokenizer is not None:
+            raise ValueError("tokenizer and skip_tokenizer_init=True contradict each other")
         if not self.cpu_kernels and "cpu" in (self.attention_backend, self.matmul_backend):
             raise ValueError("attention_backend / matmul_backend 'cpu' need cpu_kernels=True")
         if self.scheduling_policy not in ("fcfs", "priority"):

@@ -130,6 +130,10 @@ class LLM:
         """`tools`: OpenAI-style function definitions, for chat templates that render them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.get_tokenizer()
+        if tok is None:
+            raise ValueError("messages: chat needs a tokenizer (its chat template), and this "
+                             "engine has none (skip_tokenizer_init): use generate with "
+                             "{'prompt_token_ids': [...]}")
         prompts = []
         for conv in conversations:
             ids = tok.apply_chat_template(conv, tokenize=True, add_generation_prompt=add_generation_prompt,

@@ -168,6 +168,8 @@ class SamplingParams:
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError("stop must be a string or a list of non-empty strings")
         self._stop = stop
+        if stop and not self.detokenize:
+            raise ValueError("stop strings need detokenize=True: they are matched in the text")
         self.stop_token_ids = list(self.stop_token_ids or [])
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")

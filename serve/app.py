@@ -158,9 +158,13 @@ class OpenAIServer:
                            code="not_ready", headers={"Retry-After": "5"})
         return self.engine
 
-    def require_tokenizer(self):
+    def require_tokenizer(self, param: str = "prompt", what: str = "this request"):
+        """A 400 naming `param` when the engine has no tokenizer (skip_tokenizer_init, or a
+        checkpoint without one)."""
         if self.engine.tokenizer is None:
-            raise APIError(400, "this model has no tokenizer: send token-id prompts", param="prompt")
+            raise APIError(400, f"{what} needs a tokenizer, and this server has none "
+                           "(--skip-tokenizer-init, or a checkpoint without one): send token-id "
+                           "prompts to /v1/completions", param=param)
         return self.engine.tokenizer
 
     async def body(self, request: Request, model_cls):

@@ -59,7 +59,7 @@ class _Tools:
 async def create(server, request: Request):
     body = await server.body(request, ChatCompletionRequest)
     engine = server.ready_engine()
-    server.require_tokenizer()
+    server.require_tokenizer("messages", "chat (its template)")
     try:
         tools = _Tools(server, body)
         messages = [m.plain() for m in body.messages]

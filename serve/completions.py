@@ -64,9 +64,13 @@ async def create(server, request: Request):
             if body.logprobs is not None:
                 lp = _logprobs(engine, out.prompt_token_ids, out.prompt_logprobs if body.echo else None,
                                c.token_ids, c.logprobs, 0)
-            choices.append({"index": i * body.n + c.index,
-                            "text": (text if body.echo else "") + c.text, "logprobs": lp,
-                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            choice = {"index": i * body.n + c.index,
+                      "text": (text if body.echo else "") + c.text, "logprobs": lp,
+                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            if body.return_token_ids:
+                choice["prompt_token_ids"] = out.prompt_token_ids
+                choice["token_ids"] = list(c.token_ids)
+            choices.append(choice)
     return JSONResponse({"id": base, "object": "text_completion", "created": int(time.time()),
                          "model": server.model_name(body), "choices": choices, "usage": usage})
 
@@ -98,9 +102,13 @@ async def _stream(server, base, body, items, gens):
                 offsets[key] = offsets.get(key, 0) + len(prefix) + len(c.text)
                 tokens[i] = tokens.get(i, 0) + len(c.token_ids)
                 finished = c.finish_reason is not None
-                yield chunk([{"index": i * body.n + c.index, "text": prefix + c.text, "logprobs": lp,
-                              "finish_reason": c.finish_reason,
-                              "stop_reason": c.stop_reason if finished else None}])
+                choice = {"index": i * body.n + c.index, "text": prefix + c.text, "logprobs": lp,
+                          "finish_reason": c.finish_reason,
+                          "stop_reason": c.stop_reason if finished else None}
+                if body.return_token_ids:
+                    choice["prompt_token_ids"] = out.prompt_token_ids if first else None
+                    choice["token_ids"] = list(c.token_ids)
+                yield chunk([choice])
             if out.finished:
                 add_usage(usage, len(out.prompt_token_ids), tokens.get(i, 0), out.num_cached_tokens)
         if include_usage:

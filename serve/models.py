@@ -60,7 +60,7 @@ async def unload_lora(server, request: Request):
 async def tokenize(server, request: Request):
     body = await server.body(request, TokenizeRequest)
     engine = server.ready_engine()
-    server.require_tokenizer()
+    server.require_tokenizer("messages" if body.messages is not None else "prompt", "/tokenize")
     try:
         if body.messages is not None:
             tools = [t.template_dict() for t in body.tools] if body.tools else None
@@ -80,5 +80,5 @@ async def detokenize(server, request: Request):
     engine = server.ready_engine()
     if any(t < 0 or t >= engine.vocab_size for t in body.tokens):
         raise APIError(400, "tokens contain ids outside the vocabulary", param="tokens")
-    server.require_tokenizer()
+    server.require_tokenizer("tokens", "/detokenize")
     return JSONResponse({"prompt": await engine.decode(body.tokens)})

@@ -189,7 +189,7 @@ BEAM_SEARCH_UNSUPPORTED = (
     "frequency_penalty", "repetition_penalty", "logit_bias", "allowed_token_ids", "bad_words",
     "min_tokens", "logprobs", "top_logprobs", "prompt_logprobs", "echo", "skip_special_tokens",
     "spaces_between_special_tokens", "include_stop_str_in_output", "response_format",
-    "structured_outputs", "tools")
+    "structured_outputs", "tools", "return_token_ids")
 
 
 class CompletionRequest(_Sampling):
@@ -198,6 +198,9 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = Field(None, ge=0)
     echo: bool = False
     suffix: str | None = None
+    # vLLM's: each choice carries prompt_token_ids and token_ids (a stream: the prompt's in
+    # its first chunk, each chunk's new tokens)
+    return_token_ids: bool = False
 
     def to_sampling_params(self, max_tokens: int) -> SamplingParams:
         return SamplingParams(max_tokens=max_tokens, logprobs=self.logprobs, **self.sampling_kwargs())

@@ -198,6 +198,8 @@ class AsyncEngine:
         return self.engine.eos_token_id
 
     def token_text(self, token_id: int) -> str:
+        if self.engine.tokenizer is None:  # vLLM's spelling of a token it cannot show
+            return f"token_id:{token_id}"
         return self.engine.token_text(token_id) or ""
 
     # tokenization, off the event loop

@@ -117,7 +117,7 @@ def build_engine(config: EngineConfig, lora_modules=(), model_names=()) -> Engin
     load_start = time.perf_counter()
     loaded = load_model(config.model, policy, config.load_format, config.seed,
                         config.tokenizer, attention_backend=config.attention_backend,
-                        mesh=mesh, quantization=config.quantization,
+                        load_tokenizer=not config.skip_tokenizer_init, mesh=mesh, quantization=config.quantization,
                         smoothquant_alpha=config.smoothquant_alpha,
                         matmul_backend=matmul_backend,
                         int4_activations=config.int4_activations)

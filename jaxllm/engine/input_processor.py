@@ -52,7 +52,9 @@ class InputProcessor:
             prompt = prompt["prompt"]
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("text prompts need a tokenizer")
+                raise ValueError("prompt is text, but this engine has no tokenizer (skip_tokenizer_init, "
+                                 "or a checkpoint without one): send token ids, e.g. "
+                                 "{'prompt_token_ids': [...]}")
             try:
                 return prompt, self.tokenizer.encode(prompt, add_special_tokens=True), salt
             except (TypeError, UnicodeEncodeError) as e:  # e.g. a lone surrogate
@@ -73,6 +75,10 @@ class InputProcessor:
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         text, ids, salt = self.tokenize(prompt)
         self.check(ids, params)
+        if self.tokenizer is None and params.stop_strings:
+            # stop strings are matched in the detokenized text, which there is none of
+            raise ValueError("stop strings need a tokenizer, which this engine has none of: use "
+                             "stop_token_ids")
         bad = self._tokenize_bad_words(params.bad_words) if params.bad_words else None
         grammar = None
         if params.structured_outputs is not None:
@@ -110,7 +116,7 @@ class InputProcessor:
     def _tokenize_bad_words(self, words: list[str]) -> list[list[int]]:
         """Each bad word as token ids, alone and after a space (as it appears mid-text)."""
         if self.tokenizer is None:
-            raise ValueError("bad_words needs a tokenizer")
+            raise ValueError("bad_words needs a tokenizer, which this engine has none of")
         out = []
         for word in words:
             for text in (word.lstrip(), " " + word.lstrip()):

@@ -401,7 +401,8 @@ def load_model(model: str | None, policy, load_format: str = "auto", seed: int =
             tok = tok_future.result()
         except (OSError, ValueError) as e:
             if not (dummy or tokenless):
-                raise ValueError(f"cannot load the tokenizer of {path}: {e}") from e
+                raise ValueError(f"cannot load the tokenizer of {path}: {e} (skip_tokenizer_init "
+                                 "serves token ids without one)") from e
             # a bare config.json of real shapes: token-id prompts only
             logger.warning("no tokenizer for %s (%s); prompts must be token ids", path, e)
     eos = arch.eos_token_id
