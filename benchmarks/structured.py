@@ -5,11 +5,20 @@ unconstrained, the same prompts and output length (the schemas ask for more than
 length, so every request runs to it and the two runs produce the same number of tokens).
 Each round times the constrained requests twice: with schemas never seen (their compilation
 included) and again with the grammars cached; unconstrained runs bracket every round. Time to first token of a request alone, unconstrained, with a
-schema never seen and with a cached one."""
+schema never seen and with a cached one.
+
+--adherence: how often outputs keep to JSON schemas that do not set additionalProperties,
+read strictly (only the keys a schema names; the engine's default) and permissively
+(structured_outputs_allow_additional_properties), one engine each in the same run. An output
+adheres when it parses and validates against its schema with additionalProperties: false
+injected into every object."""
 from __future__ import annotations
 
 import argparse
+import copy
+import json
 import os
+import random
 import time
 
 import numpy as np
@@ -25,6 +34,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-ttft", type=int, default=3, help="new schemas timed alone")
     g.add_argument("--rounds", type=int, default=2,
                    help="constrained runs (new, then cached), each between unconstrained ones")
+    a = p.add_argument_group("adherence")
+    a.add_argument("--adherence", action="store_true",
+                   help="measure schema adherence, strict and permissive, instead of speed")
+    a.add_argument("--num-schemas", type=int, default=20)
+    a.add_argument("--max-tokens", type=int, default=96, help="per output (--adherence)")
     o = p.add_argument_group("output")
     o.add_argument("--results-dir", default=os.environ.get("OUT") or "benchmarks/results")
     o.add_argument("--tag", default=None)
@@ -42,6 +56,130 @@ def schema(i: int, salt: str = "") -> dict:
         f"records{salt}{i}": {"type": "array", "items": record, "minItems": 40, "maxItems": 40},
         "total": {"type": "integer"}},
         "required": [f"records{salt}{i}", "total"], "additionalProperties": False}
+
+
+_THEMES = {
+    "a book": ["title", "author", "year", "pages", "genre", "rating", "tags"],
+    "a city": ["name", "country", "population", "coastal", "founded", "landmarks", "mayor"],
+    "a person": ["name", "age", "email", "city", "employed", "skills", "height"],
+    "a product": ["name", "price", "stock", "category", "available", "colors", "sku"],
+    "a movie": ["title", "director", "year", "minutes", "rated", "cast", "sequel"],
+    "a recipe": ["name", "servings", "minutes", "vegetarian", "cuisine", "ingredients", "spicy"],
+}
+
+
+def open_schema(i: int) -> tuple[str, dict]:
+    """A small object schema (and what it describes) that never sets additionalProperties:
+    2-4 properties of short strings, bounded integers, booleans, enums, short arrays, or one
+    nested object."""
+    rng = random.Random(i)
+    thing = rng.choice(list(_THEMES))
+    names = rng.sample(_THEMES[thing], rng.randint(2, 4))
+
+    def prop(depth: int) -> dict:
+        kind = rng.choice(["string", "integer", "boolean", "enum", "array"]
+                          + (["object"] if depth == 0 else []))
+        if kind == "string":
+            return {"type": "string", "maxLength": rng.randint(6, 16)}
+        if kind == "integer":
+            return {"type": "integer", "minimum": 0, "maximum": rng.choice([10, 100, 10000])}
+        if kind == "enum":
+            return {"type": "string", "enum": rng.sample(["low", "mid", "high", "new", "old"], 3)}
+        if kind == "array":
+            return {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3}
+        if kind == "object":
+            inner = rng.sample(["id", "label", "score", "note"], 2)
+            return {"type": "object", "properties": {n: prop(1) for n in inner}, "required": inner}
+        return {"type": "boolean"}
+
+    props = {n: prop(0) for n in names}
+    return thing, {"type": "object", "properties": props,
+                   "required": rng.sample(names, rng.randint(1, len(names)))}
+
+
+def forbid_extra(schema):
+    """The schema with additionalProperties: false on every object that lists properties (a
+    copy)."""
+    schema = copy.deepcopy(schema)
+
+    def walk(s):
+        if isinstance(s, dict):
+            for v in s.values():
+                walk(v)
+            if isinstance(s.get("properties"), dict):
+                s["additionalProperties"] = False
+        elif isinstance(s, list):
+            for v in s:
+                walk(v)
+    walk(schema)
+    return schema
+
+
+def adheres(text: str, schema: dict) -> dict:
+    """Whether an output parses, validates as JSON Schema reads the schema, and validates with
+    other keys forbidden."""
+    import jsonschema
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return {"parses": False, "valid": False, "adheres": False}
+    ok = {}
+    for name, s in (("valid", schema), ("adheres", forbid_extra(schema))):
+        try:
+            jsonschema.validate(value, s)
+            ok[name] = True
+        except jsonschema.ValidationError:
+            ok[name] = False
+    return {"parses": True, **ok}
+
+
+def run_adherence(args) -> int:
+    import gc
+
+    from jaxllm.cli import engine_config_from_args
+    from jaxllm.llm import LLM
+    from jaxllm.sampling_params import SamplingParams, StructuredOutputsParams
+
+    schemas = [open_schema(i) for i in range(args.num_schemas)]
+    results = {"workload": {"num_schemas": args.num_schemas, "max_tokens": args.max_tokens,
+                            "temperature": 0.0, "schemas": [s for _, s in schemas]},
+               "modes": {}}
+    for mode, allow in (("strict", False), ("permissive", True)):
+        config = engine_config_from_args(args)
+        config.structured_outputs_allow_additional_properties = allow
+        llm = LLM(config=config)
+        tok = llm.get_tokenizer()
+        prompts = [tok.apply_chat_template([{"role": "user", "content": (
+            f"Describe {thing} as JSON following this schema: "
+            + json.dumps(schema, separators=(",", ":")))}], tokenize=False,
+            add_generation_prompt=True) for thing, schema in schemas]
+        params = [SamplingParams(temperature=0.0, max_tokens=args.max_tokens,
+                                 structured_outputs=StructuredOutputsParams(json=schema))
+                  for _, schema in schemas]
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        rows = []
+        for out, (_, schema) in zip(outs, schemas):
+            c = out.outputs[0]
+            rows.append({"text": c.text, "finish_reason": c.finish_reason,
+                         "tokens": len(c.token_ids), **adheres(c.text, schema)})
+        n = len(rows)
+        summary = {k: sum(r[k] for r in rows) / n for k in ("parses", "valid", "adheres")}
+        summary["length_finished"] = sum(r["finish_reason"] == "length" for r in rows) / n
+        summary["mean_tokens"] = sum(r["tokens"] for r in rows) / n
+        summary["seconds"] = seconds
+        results["modes"][mode] = {"summary": summary, "outputs": rows}
+        print(f"{mode:>10}: {summary['adheres']:.0%} adhere (parse and validate with other keys "
+              f"forbidden), {summary['parses']:.0%} parse, {summary['length_finished']:.0%} cut "
+              f"at max_tokens; {summary['mean_tokens']:.1f} tokens an output", flush=True)
+        results["engine"] = {"model": config.model or "SmolLM2-135M-Instruct (default GGUF)",
+                             "dtype": llm.llm_engine.policy.describe()}
+        llm.llm_engine.shutdown()
+        del llm, outs
+        gc.collect()
+    write_result(args, results, "structured_adherence")
+    return 0
 
 
 def _run(engine, prompts, params) -> tuple[float, int]:
@@ -112,6 +250,8 @@ def run(args) -> int:
     config = engine_config_from_args(args)
     if config.speculative_config is not None:
         raise SystemExit("bench structured: structured outputs are not supported with --speculative-config")
+    if args.adherence:
+        return run_adherence(args)
     llm = LLM(config=config)
     engine = llm.llm_engine
     tok = engine.tokenizer

@@ -94,6 +94,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="adapters kept loaded in host memory (default max-loras)")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+    g.add_argument("--structured-outputs-allow-additional-properties", action="store_true",
+                   default=None,
+                   help="JSON schemas' objects that do not set additionalProperties may carry "
+                        "keys they do not name (JSON Schema's reading); default: only the keys "
+                        "a schema describes are generated")
     g.add_argument("--compile-in-background", action=argparse.BooleanOptionalAction, default=None,
                    help="be ready once the shapes holding any step are compiled and compile the "
                         "rest while serving (default: on for serve, off otherwise)")
@@ -280,7 +285,8 @@ def main(argv=None) -> int:
             ("throughput", "throughput", "offline throughput against HF transformers", True),
             ("latency", "latency", "TTFT and decode step time at batch 1 and N", True),
             ("spec", "spec_decode", "speculative decoding's speed-up against batch size", True),
-            ("structured", "structured", "JSON-schema requests against free ones; grammar TTFT",
+            ("structured", "structured", "JSON-schema requests against free ones; grammar TTFT; "
+             "--adherence: schema adherence, objects strict and permissive",
              True),
             ("lora", "lora", "multi-LoRA serving against the base model alone", True),
             ("serve", "serve", "online load against an OpenAI-compatible server", False),

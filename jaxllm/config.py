@@ -98,6 +98,10 @@ class EngineConfig:
     # shape (and so its last float bits) would then depend on timing; `jaxllm serve` turns it
     # on, where batching already does
     compile_in_background: bool = False
+    # JSON schemas read as JSON Schema has it: an object that does not set
+    # additionalProperties may carry keys it never names. Off (vLLM's default backend and
+    # OpenAI's strict mode): only the keys a schema describes are generated
+    structured_outputs_allow_additional_properties: bool = False
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -135,7 +139,8 @@ class EngineConfig:
         validate_int4_activations(self.int4_activations)
         for name in ("cpu_kernels", "cpu_amx", "huge_pages", "executable_cache",
                      "enable_prefix_caching", "async_scheduling", "enable_lora", "warmup",
-                     "compile_in_background", "skip_tokenizer_init"):
+                     "compile_in_background", "skip_tokenizer_init",
+                     "structured_outputs_allow_additional_properties"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.skip_tokenizer_init and self.tokenizer is not None:

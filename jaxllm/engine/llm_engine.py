@@ -61,8 +61,9 @@ class LLMEngine:
         if config.warmup:
             self.compile_seconds = warm_up(self.runner, config.compile_in_background)
         self._rng = np.random.default_rng(config.seed)
-        self.structured = StructuredOutputManager(self.tokenizer, self.arch.vocab_size,
-                                                  self.eos_token_id)
+        self.structured = StructuredOutputManager(
+            self.tokenizer, self.arch.vocab_size, self.eos_token_id,
+            allow_additional_properties=config.structured_outputs_allow_additional_properties)
         self.grammars = RequestGrammars(self.structured, self.scheduler.finish_request)
         self.inputs = InputProcessor(self.tokenizer, self.arch.vocab_size, config.max_model_len,
                                      self.structured, speculative=self.speculator is not None)

@@ -19,40 +19,66 @@ from jaxllm.sampling_params import StructuredOutputsParams
 JSON_WHITESPACE = r"(\r?\n)?[\x20\x09]{0,48}"
 
 _PROPERTY_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_SUBSCHEMAS = ("additionalProperties", "items", "prefixItems", "allOf", "anyOf", "oneOf", "not",
+_SUBSCHEMAS = ("additionalProperties", "items", "prefixItems", "anyOf", "oneOf", "not",
                "if", "then", "else", "contains", "propertyNames")
 
 
-def _close_objects(schema) -> None:
-    """disable_additional_properties: objects with listed properties get
-    additionalProperties: false unless they say otherwise (in place)."""
+def _own_names(schema: dict) -> list[str]:
+    """The property names an object schema lists, its inline allOf members' included."""
+    names = list(schema["properties"]) if isinstance(schema.get("properties"), dict) else []
+    for sub in schema.get("allOf") or ():
+        if isinstance(sub, dict):
+            names += [n for n in _own_names(sub) if n not in names]
+    return names
+
+
+def close_objects(schema, _self: bool = True) -> None:
+    """Objects that list their properties (or property patterns) get additionalProperties:
+    false unless they say otherwise, in place: a schema then describes every key that may be
+    written, as xgrammar (vLLM's default backend) and OpenAI's strict mode read it. An object
+    listing no properties at all stays free. allOf members are intersected, so they stay open
+    and their parent closes over the names of all of them."""
     if isinstance(schema, list):
         for s in schema:
-            _close_objects(s)
+            close_objects(s)
         return
     if not isinstance(schema, dict):
         return
     for key in _PROPERTY_MAPS:
         if isinstance(schema.get(key), dict):
             for sub in schema[key].values():
-                _close_objects(sub)
+                close_objects(sub)
     for key in _SUBSCHEMAS:
         if isinstance(schema.get(key), (dict, list)):
-            _close_objects(schema[key])
-    if "additionalProperties" not in schema and isinstance(schema.get("properties"), dict):
+            close_objects(schema[key])
+    if isinstance(schema.get("allOf"), list):
+        for sub in schema["allOf"]:
+            close_objects(sub, _self=False)
+    if not _self or "additionalProperties" in schema:
+        return
+    names = _own_names(schema)
+    if names or isinstance(schema.get("patternProperties"), dict):
+        own = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+        extra = {n: True for n in names if n not in own}  # typed by their allOf member
+        if extra:
+            schema["properties"] = {**own, **extra}
         schema["additionalProperties"] = False
 
 
-def serialize(p: StructuredOutputsParams) -> str:
-    """The llguidance grammar (its JSON form) of a constraint."""
+def serialize(p: StructuredOutputsParams, allow_additional_properties: bool = False) -> str:
+    """The llguidance grammar (its JSON form) of a constraint. A JSON schema's objects are
+    closed (close_objects) unless `allow_additional_properties` (the engine's
+    structured_outputs_allow_additional_properties) and the request does not ask
+    disable_additional_properties."""
     import llguidance
 
     kind = p.kind
     if kind in ("json", "json_object"):
         schema = p.json if kind == "json" else {"type": "object"}
-        if p.disable_additional_properties and isinstance(schema, dict):
+        closed = p.disable_additional_properties or not allow_additional_properties
+        if kind == "json" and closed and isinstance(schema, dict):
             schema = copy.deepcopy(schema)
-            _close_objects(schema)
+            close_objects(schema)
         options = {"whitespace_flexible": not p.disable_any_whitespace}
         if not p.disable_any_whitespace:
             options["whitespace_pattern"] = p.whitespace_pattern or JSON_WHITESPACE
@@ -67,12 +93,12 @@ def serialize(p: StructuredOutputsParams) -> str:
     return llguidance.grammar_from("grammar", p.grammar)
 
 
-def validate(p: StructuredOutputsParams) -> str:
+def validate(p: StructuredOutputsParams, allow_additional_properties: bool = False) -> str:
     """The grammar of a constraint, or a ValueError naming the field and what is wrong."""
     import llguidance
 
     try:
-        grammar = serialize(p)
+        grammar = serialize(p, allow_additional_properties)
     except (ValueError, TypeError, KeyError) as e:
         raise ValueError(f"{p.field_name}.{p.kind}: {e}") from None
     error = llguidance.LLMatcher.validate_grammar(grammar, None)

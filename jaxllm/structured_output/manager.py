@@ -42,8 +42,11 @@ def words(vocab_size: int) -> int:
 
 class StructuredOutputManager:
     def __init__(self, tokenizer, vocab_size: int, eos_token_id: int | None,
-                 cache_size: int = CACHE_SIZE):
+                 cache_size: int = CACHE_SIZE, allow_additional_properties: bool = False):
+        """allow_additional_properties: JSON Schema's permissive reading of objects that do
+        not say whether other keys may follow (grammar.serialize); off: they may not."""
         self.tokenizer = tokenizer
+        self.allow_additional_properties = allow_additional_properties
         self.vocab_size = vocab_size        # the model's: the device's bitmask width
         self.eos_token_id = eos_token_id
         self.cache_size = cache_size
@@ -60,8 +63,9 @@ class StructuredOutputManager:
     def prepare(self, params: StructuredOutputsParams) -> GrammarSpec:
         """Validate a constraint (cheap, no tokenizer): a ValueError names what is wrong."""
         if self.tokenizer is None:
-            raise ValueError(f"{params.field_name} needs a tokenizer; this model has none")
-        return GrammarSpec(params.key(), validate(params), params.field_name)
+            raise ValueError(f"{params.field_name} needs a tokenizer; this engine has none")
+        return GrammarSpec(params.key(), validate(params, self.allow_additional_properties),
+                           params.field_name)
 
     def warm(self) -> None:
         """Start building llguidance's view of the tokenizer (about a second, once)."""

@@ -158,6 +158,33 @@ def test_structured(tiny_llama, tmp_path):
     assert all(v["n"] == 1 and duration(v["median"]) for v in r["ttft_s"].values())
 
 
+def test_structured_adherence(tiny_llama, tmp_path):
+    from benchmarks.structured import adheres, open_schema
+    run_cli("bench", "structured", "--adherence", "--model", tiny_llama, *ENGINE, "--num-schemas",
+            "2", "--max-tokens", "12", "--results-dir", str(tmp_path), "--tag", "adh")
+    r = read_json(tmp_path / "adh.json")
+    assert [json.dumps(s) for s in r["workload"]["schemas"]] == [json.dumps(open_schema(i)[1])
+                                                                 for i in range(2)]
+    assert "additionalProperties" not in json.dumps(r["workload"]["schemas"])
+    assert set(r["modes"]) == {"strict", "permissive"}
+    for mode in r["modes"].values():
+        rows, summary = mode["outputs"], mode["summary"]
+        assert len(rows) == 2 and all(1 <= x["tokens"] <= 12 for x in rows)
+        for key in ("parses", "valid", "adheres"):
+            assert summary[key] == sum(x[key] for x in rows) / 2
+        assert summary["length_finished"] == sum(x["finish_reason"] == "length" for x in rows) / 2
+        assert all(x["adheres"] <= x["valid"] <= x["parses"] for x in rows)
+    # the strict engine never writes a key its schema does not name
+    assert all(x["adheres"] == x["parses"] for x in r["modes"]["strict"]["outputs"])
+    schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {
+        "b": {"type": "integer"}}}}}
+    assert adheres('{"a": {"b": 1}}', schema) == {"parses": True, "valid": True, "adheres": True}
+    assert adheres('{"a": {"b": 1, "c": 2}}', schema) == {"parses": True, "valid": True,
+                                                          "adheres": False}
+    assert adheres('{"a": {"b": "x"}}', schema)["valid"] is False
+    assert adheres('{"a": ', schema)["parses"] is False
+
+
 @pytest.mark.slow
 def test_lora(tiny_llama, tmp_path):
     run_cli("bench", "lora", "--model", tiny_llama, *ENGINE, "--num-prompts", "4",

@@ -122,8 +122,139 @@ def test_json_whitespace_is_bounded_and_objects_may_be_closed(manager):
     assert not allows(SO(json=schema), '{' + " " * 49 + '"a":[1]}')
     assert not allows(SO(json=schema, disable_any_whitespace=True), '{"a": [1]}')
     assert allows(SO(json=schema, whitespace_pattern="[ ]{0,3}"), '{   "a":[1]}')
-    assert allows(SO(json=schema), '{"a":[1],"b":2}')  # open: other properties may follow
-    assert not allows(SO(json=schema, disable_additional_properties=True), '{"a":[1],"b":2}')
+    assert not allows(SO(json=schema), '{"a":[1],"b":2}')  # closed: only what it describes
+
+
+@pytest.fixture(scope="module")
+def permissive(manager):
+    """A manager of an engine with structured_outputs_allow_additional_properties."""
+    from jaxllm.structured_output.manager import StructuredOutputManager
+    return StructuredOutputManager(manager.tokenizer, 49152, manager.eos_token_id,
+                                   allow_additional_properties=True)
+
+
+def matcher_after(manager, constraint, text):
+    """A sequence's grammar advanced over `text` (which it must allow)."""
+    g = manager.grammar(manager.compile(manager.prepare(constraint)).result())
+    ids = manager.tokenizer.encode(text, add_special_tokens=False)
+    assert g.accept(ids), (text, g.error)
+    return g
+
+
+def next_allowed(manager, g) -> set[str]:
+    """The texts of the tokens the grammar allows next."""
+    tok = manager.tokenizer
+    return {tok.decode([t]) for t in allowed(manager.bitmask([(0, g)], 1)[0])}
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name"]}
+
+
+def key_starts(texts: set[str]) -> set[str]:
+    """The beginnings of keys among token texts that open a string."""
+    return {t.lstrip()[1:].split('"')[0] for t in texts if t.lstrip().startswith('"')}
+
+
+def test_objects_carry_only_the_keys_their_schema_names(manager, permissive):
+    text, extra, listed = '{"name": "x", ', '"height": 3}', '"age": 3}'
+    tok = manager.tokenizer
+    # after the first property, the mask lets only a listed key begin
+    g = matcher_after(manager, SO(json=PERSON), text)
+    starts = key_starts(next_allowed(manager, g))
+    assert starts and all("age".startswith(k) for k in starts), starts
+    ids = tok.encode(extra, add_special_tokens=False)
+    assert g.validate(ids) < len(ids)
+    listed_ids = tok.encode(listed, add_special_tokens=False)
+    assert g.validate(listed_ids) == len(listed_ids)
+    # the permissive engine: any key may follow, as JSON Schema reads it
+    g = matcher_after(permissive, SO(json=PERSON), text)
+    assert not all("age".startswith(k) for k in key_starts(next_allowed(permissive, g)))
+    assert g.validate(ids) == len(ids)
+    # ... unless the request closes its objects itself
+    g = matcher_after(permissive, SO(json=PERSON, disable_additional_properties=True), text)
+    assert g.validate(ids) < len(ids)
+
+
+def allows_text(manager, constraint, text) -> bool:
+    g = manager.grammar(manager.compile(manager.prepare(constraint)).result())
+    ids = manager.tokenizer.encode(text, add_special_tokens=False)
+    return g.validate(ids) == len(ids)
+
+
+@pytest.mark.parametrize("schema,allowed_texts,refused_texts", [
+    # a schema that says extra keys may follow is honoured
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": True},
+     ['{"a":1,"b":2}'], []),
+    ({"type": "object", "properties": {"a": {"type": "integer"}},
+      "additionalProperties": {"type": "string"}}, ['{"a":1,"b":"x"}'], ['{"a":1,"b":2}']),
+    # an object naming no properties stays free
+    ({"type": "object"}, ['{"b":2}'], []),
+    # nested, in arrays and in $defs
+    ({"type": "object", "properties": {"p": {"type": "object", "properties": {"q": {"type": "integer"}}}}},
+     ['{"p":{"q":1}}'], ['{"p":{"q":1,"r":2}}', '{"p":{"q":1},"r":2}']),
+    ({"type": "array", "items": {"$ref": "#/$defs/item"},
+      "$defs": {"item": {"type": "object", "properties": {"q": {"type": "integer"}}}}},
+     ['[{"q":1}]'], ['[{"q":1,"r":2}]']),
+    # property patterns close too
+    ({"type": "object", "patternProperties": {"^x_": {"type": "integer"}}}, ['{"x_a":1}'], ['{"y":1}']),
+    # allOf members intersect: their parent closes over all their keys
+    ({"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}},
+                {"type": "object", "properties": {"b": {"type": "integer"}}}]},
+     ['{"a":1,"b":2}'], ['{"a":1,"b":"x"}', '{"a":1,"c":2}']),
+    ({"type": "object", "properties": {"a": {"type": "integer"}},
+      "allOf": [{"properties": {"b": {"type": "integer"}}}]},
+     ['{"a":1,"b":2}'], ['{"a":1,"b":"x"}', '{"a":1,"c":2}']),
+    # anyOf members are alternatives, each closed
+    ({"anyOf": [{"type": "object", "properties": {"a": {"type": "integer"}}},
+                {"type": "object", "properties": {"b": {"type": "integer"}}}]},
+     ['{"a":1}', '{"b":1}'], ['{"a":1,"b":1}', '{"a":1,"c":1}']),
+])
+def test_closing_objects(manager, schema, allowed_texts, refused_texts):
+    for text in allowed_texts:
+        assert allows_text(manager, SO(json=schema, disable_any_whitespace=True), text), text
+    for text in refused_texts:
+        assert not allows_text(manager, SO(json=schema, disable_any_whitespace=True), text), text
+
+
+def test_the_engine_flag():
+    import argparse
+    from jaxllm.cli import add_engine_args, engine_config_from_args
+    from jaxllm.config import EngineConfig
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    flag = "--structured-outputs-allow-additional-properties"
+    assert engine_config_from_args(p.parse_args([flag])).structured_outputs_allow_additional_properties
+    assert not engine_config_from_args(p.parse_args([])).structured_outputs_allow_additional_properties
+    with pytest.raises(ValueError, match="structured_outputs_allow_additional_properties must be a bool"):
+        EngineConfig(structured_outputs_allow_additional_properties="yes")
+
+
+def test_close_objects_leaves_the_callers_schema_alone():
+    from jaxllm.structured_output.grammar import serialize
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    serialize(SO(json=schema))
+    assert schema == {"type": "object", "properties": {"a": {"type": "integer"}}}
+
+
+def test_tool_arguments_carry_only_the_parameters_named(manager, permissive):
+    """tool_choice naming a function, and "required": the arguments' objects are closed the
+    same way (the permissive engine leaves them open)."""
+    from serve.protocol import ChatCompletionRequest
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    msgs = [{"role": "user", "content": "weather?"}]
+    named = ChatCompletionRequest.model_validate({"messages": msgs, "tools": [tool], "tool_choice": {
+        "type": "function", "function": {"name": "get_weather"}}}).constraint()
+    required = ChatCompletionRequest.model_validate(
+        {"messages": msgs, "tools": [tool], "tool_choice": "required"}).constraint()
+    for constraint, good, bad in (
+            (named, '{"city": "Paris"}', '{"city": "Paris", "unit": "C"}'),
+            (required, '[{"name": "get_weather", "parameters": {"city": "Paris"}}]',
+             '[{"name": "get_weather", "parameters": {"city": "Paris", "unit": "C"}}]')):
+        assert allows_text(manager, constraint, good)
+        assert not allows_text(manager, constraint, bad)
+        assert allows_text(permissive, constraint, bad)
 
 
 def test_choices_with_quotes_and_backslashes(manager):
@@ -190,8 +321,8 @@ def random_schema(rng: random.Random, depth: int = 0) -> dict:
     names = list(props)
     schema = {"type": "object", "properties": props,
               "required": rng.sample(names, rng.randint(1, len(names)))}
-    # some left open: those requests ask for disable_additional_properties (an open object
-    # invites a small model to copy the schema's keys from the prompt until max_tokens)
+    # some left open: the engine closes them (an open object invites a small model to copy
+    # the schema's keys from the prompt until max_tokens)
     if depth or rng.random() < 0.75:
         schema["additionalProperties"] = False
     return schema
@@ -222,8 +353,8 @@ def test_default_model_constrained_batch(default_llm):
     for schema in SCHEMAS:
         prompts.append(chat_prompt(tok, "Reply with JSON only, following this schema: "
                                         + json.dumps(schema, separators=(",", ":"))))
-        params.append(SamplingParams(temperature=0.0, max_tokens=200, structured_outputs=SO(
-            json=schema, disable_additional_properties="additionalProperties" not in schema)))
+        params.append(SamplingParams(temperature=0.0, max_tokens=200,
+                                     structured_outputs=SO(json=schema)))
         checks.append(lambda text, s=schema: jsonschema.validate(json.loads(text), s))
     regexes = [r"\d{3}-\d{3}-\d{4}", r"[A-Z][a-z]{1,10} [A-Z][a-z]{1,10}",
                r"(19|20)\d\d-(0[1-9]|1[0-2])-\d\d"]
