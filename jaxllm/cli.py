@@ -24,6 +24,14 @@ def _smoothquant_args(g) -> None:
                    help="SmoothQuant's migration strength in [0, 1] (implies --smoothquant)")
 
 
+def _int4_args(g) -> None:
+    g.add_argument("--quantization-group-size", type=int, default=None, choices=[32, 64, 128],
+                   help="with -q int4: weights per scale and offset along the input (default 32)")
+    g.add_argument("--int4-calibration", default=None, choices=["awq", "none"],
+                   help="with -q int4: AWQ's activation-aware scaling, searched on the float "
+                        "weights at load (default awq), or none (round to nearest)")
+
+
 def _smoothquant_alpha(args) -> float | None:
     if args.smoothquant_alpha is not None:
         return args.smoothquant_alpha
@@ -43,6 +51,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", "-q", default=None, choices=list(_quant_methods()),
                    help="weight quantization (default: as the checkpoint ships it)")
     _smoothquant_args(g)
+    _int4_args(g)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--kv-cache-dtype", default=None, choices=["auto", "bfloat16", "int8", "fp8", "fp8_e4m3"],
                    help="KV cache storage: auto (the activation dtype), bfloat16, or int8 / fp8 with "
@@ -205,10 +214,14 @@ def cmd_convert(args) -> int:
                   seed=args.seed)
     kwargs["quantization"] = args.quantization
     kwargs["smoothquant_alpha"] = _smoothquant_alpha(args)
+    kwargs.update(quantization_group_size=args.quantization_group_size,
+                  int4_calibration=args.int4_calibration)
     config = EngineConfig(**kwargs)  # validates the values as the engine would
     from jaxllm.loader.convert import convert
     out = convert(config.model, args.output, dtype=config.dtype,
                   quantization=config.quantization, smoothquant_alpha=config.smoothquant_alpha,
+                  quantization_group_size=config.quantization_group_size,
+                  int4_calibration=config.int4_calibration,
                   tensor_parallel_size=config.tensor_parallel_size, load_format=config.load_format,
                   tokenizer=config.tokenizer, seed=config.seed)
     print(f"wrote {out}; run it with: jaxllm serve {out}"
@@ -271,6 +284,7 @@ def main(argv=None) -> int:
     p.add_argument("--quantization", "-q", default=None, choices=list(_quant_methods()),
                    help="weight quantization, as the engine's (default: as the checkpoint ships it)")
     _smoothquant_args(p)
+    _int4_args(p)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="devices the checkpoint's layout is for (restoring needs the same)")
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],

@@ -5,7 +5,8 @@ from dataclasses import dataclass, field
 
 from jaxllm import envs
 from jaxllm.kernels import MATMUL_BACKENDS
-from jaxllm.quantization import validate_int4_activations, validate_method, validate_smoothquant
+from jaxllm.quantization import (validate_int4_activations, validate_int4_options, validate_method,
+                                 validate_smoothquant)
 from jaxllm.quantization.kv import validate_kv_dtype
 from jaxllm.spec_decode.config import SpeculativeConfig
 
@@ -36,6 +37,11 @@ class EngineConfig:
     # SmoothQuant for w8a8 (jaxllm.quantization.smoothquant): its migration strength alpha,
     # calibrated at load; None: off
     smoothquant_alpha: float | None = None
+    # int4 made at load (jaxllm.quantization): its group along the input (32, 64 or 128;
+    # None: DEFAULT_INT4_GROUP) and AWQ's activation-aware scaling ("awq", the default, or
+    # "none": plain round-to-nearest; jaxllm.quantization.awq)
+    quantization_group_size: int | None = None
+    int4_calibration: str | None = None
     seed: int = 0
     # KV cache
     kv_cache_dtype: str = "auto"         # or "int8" / "fp8": a scale per token and head
@@ -108,6 +114,7 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         validate_method(self.quantization)
         validate_smoothquant(self.smoothquant_alpha, self.quantization)
+        validate_int4_options(self.quantization_group_size, self.int4_calibration, self.quantization)
         validate_kv_dtype(self.kv_cache_dtype)
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")

@@ -120,7 +120,9 @@ def build_engine(config: EngineConfig, lora_modules=(), model_names=()) -> Engin
                         load_tokenizer=not config.skip_tokenizer_init, mesh=mesh, quantization=config.quantization,
                         smoothquant_alpha=config.smoothquant_alpha,
                         matmul_backend=matmul_backend,
-                        int4_activations=config.int4_activations)
+                        int4_activations=config.int4_activations,
+                        quantization_group_size=config.quantization_group_size,
+                        int4_calibration=config.int4_calibration)
     load_seconds = time.perf_counter() - load_start
     kv_dtype = kvq.cache_dtype(config.kv_cache_dtype, policy.weight, policy.activation,
                                loaded.quant is not None, platform, config.attention_backend)

@@ -18,6 +18,11 @@ from jaxllm.quantization.qweight import QWeight, matmul_pallas, matmul_xla
 def quantized_matmul(x: jax.Array, w: QWeight, policy: DTypePolicy, rows=None) -> jax.Array:
     """x [.., K] @ W^T -> [.., N] f32 for a quantized weight, where its backend says. rows: how
     many leading rows of x are real; the CPU kernels skip the others (zeros)."""
+    if w.smooth is not None and w.act in ("none", "int8_block"):
+        # weight-only codes scaled per input channel (AWQ): the division is an elementwise
+        # pass over the activations, so the kernels take x already divided
+        x = x / (w.smooth if w.layer is None else w.smooth[w.layer])
+        w = QWeight(w.q, w.scale, w.offset, None, w.layer, w.act, w.backend)
     if w.backend == "cpu":
         if w.kind != "fp8" or cpu_matmul.fp8_apply(w):  # else XLA emulates the fp8 dot
             return cpu_matmul.matmul(x, w, rows,

@@ -66,7 +66,8 @@ class LoadedModel:
     mesh: Any = None
     quant: Any = None  # jaxllm.quantization.QuantSpec of the quantized matrices, or None
     checkpoint_arch: ArchConfig | None = None  # before tensor-parallel padding (arch: after)
-    smoothquant: dict | None = None  # how SmoothQuant vectors were made (alpha, calibration)
+    # how SmoothQuant's (alpha, calibration) or AWQ's vectors ("method": "awq") were made
+    smoothquant: dict | None = None
 
 
 def _gguf_file(path: str) -> str | None:
@@ -271,7 +272,8 @@ def load_model(model: str | None, policy, load_format: str = "auto", seed: int =
                tokenizer: str | None = None, attention_backend: str = "cpu",
                load_tokenizer: bool = True, mesh=None, quantization: str | None = None,
                smoothquant_alpha: float | None = None, matmul_backend: str | None = None,
-               int4_activations: str = "float") -> LoadedModel:
+               int4_activations: str = "float", quantization_group_size: int | None = None,
+               int4_calibration: str | None = None) -> LoadedModel:
     """Read a checkpoint (or make random weights with load_format="dummy") straight into the
     shards of `mesh` (default: a mesh of the first device). With tensor parallelism the
     model's shapes are padded / repeated per jaxllm.parallel.plan; each device receives only
@@ -280,7 +282,9 @@ def load_model(model: str | None, policy, load_format: str = "auto", seed: int =
     `smoothquant_alpha` adds SmoothQuant to w8a8, calibrated on the float weights here
     (jaxllm.quantization.smoothquant; random weights get unit vectors). `matmul_backend`:
     where matmuls run (jaxllm.kernels.matmul_backend; None: the mesh's default);
-    `int4_activations`: QuantSpec.int4_activations."""
+    `int4_activations`: QuantSpec.int4_activations. `quantization_group_size` and
+    `int4_calibration` shape int4 made at load (None: the defaults of jaxllm.quantization;
+    AWQ's search, jaxllm.quantization.awq, needs float weights: random ones get unit vectors)."""
     from jaxllm.parallel import make_mesh, plan, platform_of, runtime_arch
 
     if not isinstance(policy, DTypePolicy):
@@ -308,6 +312,10 @@ def load_model(model: str | None, policy, load_format: str = "auto", seed: int =
         # the engine's own layout, restored into the mesh's shardings as it is
         meta = orbax.read_metadata(path)
         orbax.check_compatible(meta, path, mesh.size, quantization, smoothquant_alpha)
+        if quantization_group_size is not None or int4_calibration is not None:
+            raise ValueError(f"{path} is a converted checkpoint: its int4 groups and AWQ scaling "
+                             "were made when converting; leave quantization_group_size and "
+                             "int4_calibration unset (or convert again with them)")
         smoothquant = meta.get("smoothquant")
         quant = orbax.quant_spec(meta, matmul_backend, int4_activations)
         if quant is not None and quant.backend == "cpu":
@@ -326,6 +334,7 @@ def load_model(model: str | None, policy, load_format: str = "auto", seed: int =
         read = _read_weights(path, gguf_file, dummy, policy, quantization)
         method = resolve_method(quantization, read.method, path)
         qmethods.validate_smoothquant(smoothquant_alpha, method)
+        qmethods.validate_int4_options(quantization_group_size, int4_calibration, method)
         if dummy and method in qmethods.CHECKPOINT_METHODS:
             if quantization is not None:
                 raise ValueError(f"load_format='dummy' cannot make {method} weights; use int4 or int8")
@@ -337,23 +346,31 @@ def load_model(model: str | None, policy, load_format: str = "auto", seed: int =
         layouts = {}
         if method in qmethods.ONLINE_METHODS:
             specs = cls.param_specs(ckpt_arch)
-            smooth_on = smoothquant_alpha is not None
+            awq_on = method == "int4" and (int4_calibration or qmethods.DEFAULT_INT4_CALIBRATION) == "awq"
+            smooth_on = smoothquant_alpha is not None or awq_on
             if dummy:
                 layouts = {n: lay for n, s in specs.items()
-                           if (lay := qmethods.online_layout(method, n, s, smooth_on)) is not None}
+                           if (lay := qmethods.online_layout(method, n, s, smooth_on,
+                                                             quantization_group_size)) is not None}
                 if smooth_on:  # random weights: unit vectors (the kernels' smoothing path, timed)
-                    smoothquant = {"alpha": smoothquant_alpha, "calibration": "none (dummy weights)"}
+                    smoothquant = ({"method": "awq", "calibration": "none (dummy weights)"} if awq_on else
+                                   {"alpha": smoothquant_alpha, "calibration": "none (dummy weights)"})
             else:
                 smooth = None
                 if smooth_on:
-                    from jaxllm.loader.calibration import smoothing
+                    from jaxllm.loader.calibration import awq_scaling, smoothing
                     tok_for = _calibration_tokenizer(tok_future, tokenizer or path,
                                                      None if tokenizer else gguf_file)
                     graphdef, state = _float_model(cls, ckpt_arch, weights, policy)
-                    smooth, smoothquant = smoothing(graphdef, state, ckpt_arch, specs, weights,
-                                                    tok_for, smoothquant_alpha)
+                    if awq_on:
+                        smooth, smoothquant = awq_scaling(graphdef, state, ckpt_arch, specs, weights,
+                                                          tok_for, quantization_group_size)
+                    else:
+                        smooth, smoothquant = smoothing(graphdef, state, ckpt_arch, specs, weights,
+                                                        tok_for, smoothquant_alpha)
                     del graphdef, state
-                weights, layouts = qmethods.quantize_online(weights, specs, method, smooth)
+                weights, layouts = qmethods.quantize_online(weights, specs, method, smooth,
+                                                            quantization_group_size)
         elif weights is not None:
             layouts = {n: qmethods.layout_of(h, read.act if cls.param_specs(ckpt_arch)[n].matrix == "in_out" else "none")
                        for n, h in weights.items() if isinstance(h, HostQuant)}
@@ -423,13 +440,14 @@ def _calibration_tokenizer(tok_future, path: str, gguf_file: str | None):
     try:
         return tok_future.result() if tok_future is not None else _load_tokenizer(path, gguf_file)
     except (OSError, ValueError) as e:
-        raise ValueError(f"smoothquant_alpha: calibration needs the tokenizer of {path}: {e}") from e
+        raise ValueError(f"calibration (smoothquant_alpha, or int4's AWQ: int4_calibration='none' "
+                         f"skips it) needs the tokenizer of {path}: {e}") from e
 
 
 def describe_quant(quant: qmethods.QuantSpec) -> str:
     kinds = sorted({f"{lay.kind} g{lay.group}"
                     + ("" if lay.act == "none" else f" x {lay.act} activations")
-                    + (" (SmoothQuant)" if lay.smooth else "")
+                    + ("" if not lay.smooth else " (AWQ)" if lay.kind == "int4" else " (SmoothQuant)")
                     for _, lay in quant.layouts})
     return (f"quantization {quant.method}: {len(quant.layouts)} matrices as {', '.join(kinds)}; "
             + {"cpu": "CPU kernels", "pallas": "Pallas kernel"}.get(quant.backend, "XLA dots"))

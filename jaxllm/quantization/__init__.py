@@ -2,8 +2,10 @@
 
 `quantization=` (vLLM's name) picks a method:
   int8   weight-only int8, one scale per output channel (W8A16), quantized at load
-  int4   weight-only int4, groups of 128 along the input (64 or 32 where 128 does not divide
-         it), asymmetric (scale and offset per group), quantized at load
+  int4   weight-only int4 in groups along the input (quantization_group_size: 32, 64 or 128;
+         unset, DEFAULT_INT4_GROUP, or 32 where that does not divide), asymmetric (scale and
+         offset per group), quantized at load; the layers' matrices first scaled per input
+         channel by AWQ's activation-aware search (int4_calibration, awq.py)
   w8a8   int8 weights per channel and int8 activations quantized per token at run time
   fp8    e4m3 weights per channel and e4m3 activations per token (the GPU path: Hopper's fp8
          matrix units; on a CPU the kernels multiply the e4m3 values as bf16, which is exact)
@@ -16,6 +18,8 @@ small model); w8a8 keeps those two weight-only int8 and fp8 keeps them in float,
 the most sensitive to activation quantization. Layouts are in formats.py.
 
 `smoothquant_alpha` (w8a8 only) adds SmoothQuant to w8a8's layer matrices: smoothquant.py.
+Both SmoothQuant and AWQ leave a per-input-channel vector (`smooth`) that activations are
+divided by at run time.
 """
 from __future__ import annotations
 
@@ -32,7 +36,11 @@ from jaxllm.quantization.formats import HostQuant
 ONLINE_METHODS = ("int8", "int4", "w8a8", "fp8")
 CHECKPOINT_METHODS = ("awq", "gptq", "compressed-tensors", "gguf")
 METHODS = ONLINE_METHODS + CHECKPOINT_METHODS + ("none",)
-INT4_GROUP = 128
+INT4_GROUPS = (32, 64, 128)  # as GGUF's Q4 (32) and GPTQ/AWQ checkpoints (64, 128) group
+# chosen by measuring the default model's perplexity (docs/quantization.md)
+DEFAULT_INT4_GROUP = 32
+INT4_CALIBRATIONS = ("awq", "none")
+DEFAULT_INT4_CALIBRATION = "awq"
 
 
 def validate_method(method: str | None) -> None:
@@ -54,6 +62,22 @@ def validate_smoothquant(alpha, method: str | None) -> None:
                 if method == "compressed-tensors" else "")
         raise ValueError(f"smoothquant_alpha needs quantization='w8a8' (SmoothQuant eases int8 "
                          f"activations), got quantization={method!r}{hint}")
+
+
+def validate_int4_options(group_size, calibration, method: str | None) -> None:
+    """quantization_group_size and int4_calibration: given only with int4 (the online
+    method they shape)."""
+    if group_size is not None:
+        if isinstance(group_size, bool) or group_size not in INT4_GROUPS:
+            raise ValueError(f"quantization_group_size must be one of {INT4_GROUPS}, got {group_size!r}")
+        if method != "int4":
+            raise ValueError(f"quantization_group_size needs quantization='int4' (the one method "
+                             f"quantized in groups at load), got quantization={method!r}")
+    if calibration is not None:
+        if calibration not in INT4_CALIBRATIONS:
+            raise ValueError(f"int4_calibration must be one of {INT4_CALIBRATIONS}, got {calibration!r}")
+        if method != "int4":
+            raise ValueError(f"int4_calibration needs quantization='int4', got quantization={method!r}")
 
 
 @dataclass(frozen=True)
@@ -155,9 +179,23 @@ def quantized_specs(specs: dict, quant: QuantSpec | None) -> dict:
     return out
 
 
-def online_layout(method: str, name: str, spec, smooth: bool = False) -> QuantLayout | None:
+def int4_group_of(name: str, K: int, group_size: int | None) -> int:
+    """The group a matrix of input size K takes: quantization_group_size, which must divide
+    K, or unset the default (32 where it does not divide: int4 packs in 32s)."""
+    if group_size is None:
+        return F.int4_group(K, DEFAULT_INT4_GROUP)
+    if K % group_size:
+        fits = [g for g in INT4_GROUPS if K % g == 0]
+        raise ValueError(f"quantization_group_size={group_size} does not divide the input size {K} "
+                         f"of {name}; choose {' or '.join(map(str, fits)) or 'another model'}")
+    return group_size
+
+
+def online_layout(method: str, name: str, spec, smooth: bool = False,
+                  group_size: int | None = None) -> QuantLayout | None:
     """The layout `method` gives a float matrix parameter (None: it stays float); `smooth`:
-    w8a8's activation-quantized matrices carry a SmoothQuant vector."""
+    the matrix carries a SmoothQuant (w8a8) or AWQ (int4, the layers' matrices) vector;
+    `group_size`: int4's quantization_group_size."""
     if spec.matrix is None:
         return None
     N, K = out_in(spec.shape, spec.matrix)
@@ -165,7 +203,9 @@ def online_layout(method: str, name: str, spec, smooth: bool = False) -> QuantLa
     if method == "int8":
         return QuantLayout("int8", K, scale_dtype="float16")
     if method == "int4":
-        return QuantLayout("int4", F.int4_group(K, INT4_GROUP), offset=True, scale_dtype="float16")
+        # the embedding is read by rows too, where no vector along its input can be divided out
+        return QuantLayout("int4", int4_group_of(name, K, group_size), offset=True,
+                           smooth=smooth and not head, scale_dtype="float16")
     # w8a8 and fp8 leave the head (and a tied embedding) float, as vLLM's W8A8 and FP8
     # checkpoints do: logits are the most sensitive to activation quantization
     if method == "w8a8":
@@ -189,14 +229,16 @@ def to_out_in(w: np.ndarray, matrix: str) -> np.ndarray:
 
 
 def quantize_online(weights: dict, specs: dict, method: str,
-                    smooth: dict[str, np.ndarray] | None = None) -> tuple[dict, dict[str, QuantLayout]]:
+                    smooth: dict[str, np.ndarray] | None = None,
+                    group_size: int | None = None) -> tuple[dict, dict[str, QuantLayout]]:
     """Float host weights -> the method's layouts, layer by layer (one float layer at a time
-    in extra memory). `smooth`: SmoothQuant vectors ([(L,) K] per matrix name), by which
-    the weights' input columns are multiplied before quantization (smoothquant.py)."""
+    in extra memory). `smooth`: SmoothQuant or AWQ vectors ([(L,) K] per matrix name), by
+    which the weights' input columns are multiplied before quantization (smoothquant.py,
+    awq.py); `group_size`: int4's quantization_group_size."""
     smooth = smooth or {}
     out, layouts = dict(weights), {}
     for name, spec in specs.items():
-        layout = online_layout(method, name, spec, name in smooth)
+        layout = online_layout(method, name, spec, name in smooth, group_size)
         if layout is None or name not in weights:
             continue
         w, s = weights[name], smooth.get(name)

@@ -67,6 +67,20 @@ def test_sharegpt_like_lengths():
     assert (n_in + n_out <= 4096).all()
 
 
+def test_quality_method_names():
+    """`jaxllm bench quality --methods`: int4's group size and calibration in the name."""
+    from benchmarks.quality import method
+    assert method("int4-g32-awq", 0.5) == (("hf", "float32", "int4", "auto"),
+                                           {"quantization_group_size": 32, "int4_calibration": "awq"})
+    assert method("int4-g128-rtn", 0.5)[1] == {"quantization_group_size": 128, "int4_calibration": "none"}
+    assert method("int4-g64", 0.5)[1] == {"quantization_group_size": 64}
+    assert method("int4-rtn", 0.5)[1] == {"int4_calibration": "none"}
+    assert method("int4", 0.5)[1] == {} and method("w8a8-smooth@0.6", 0.5)[1] == {"smoothquant_alpha": 0.6}
+    for bad in ("int4-g", "int4-awq-g32", "int4-g32-awq-x", "int4-", "int8-g32"):
+        with pytest.raises(ValueError, match="unknown method"):
+            method(bad, 0.5)
+
+
 @pytest.mark.parametrize("passes", [1, 3])
 def test_latency(tiny_llama, tmp_path, passes):
     """With multi-step scheduling (3 passes per call) the step is a pass: the replayed call's

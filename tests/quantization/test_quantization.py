@@ -439,26 +439,30 @@ def tiny_hf(tmp_path_factory, tokenizer_dir):
 IDS = RNG.integers(0, 49152, 37).tolist()
 
 
-@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("method", ["int8", "int4", "int4 g64"])
 def test_online_weight_only_equals_its_dequantized_weights(tiny_hf, method):
-    """Every matrix (the embedding and LM head too) quantized at load: the logits equal HF's on
-    the same dequantized weights."""
+    """Every matrix (the embedding and LM head too) quantized at load, rounded to nearest: the
+    logits equal HF's on the same dequantized weights, at each int4 group size."""
     import copy
 
-    from jaxllm.quantization import QuantLayout
-    from jaxllm.quantization.formats import int4_group
+    from jaxllm.quantization import DEFAULT_INT4_GROUP, QuantLayout
     path, hf = tiny_hf
-    loaded = load_model(path, jnp.float32, load_tokenizer=False, quantization=method)
-    assert loaded.quant.method == method and loaded.quant.backend == "cpu"
+    kind, group = method.split()[0], int(method.split(" g")[1]) if " g" in method else None
+    extra = {} if kind == "int8" else dict(quantization_group_size=group, int4_calibration="none")
+    loaded = load_model(path, jnp.float32, load_tokenizer=False, quantization=kind, **extra)
+    assert loaded.quant.method == kind and loaded.quant.backend == "cpu"
     assert {n for n, _ in loaded.quant.layouts} >= {"embed_tokens", "lm_head", "layers.wqkv",
                                                      "layers.wo", "layers.w_gate_up", "layers.w_down"}
+    want = group or DEFAULT_INT4_GROUP
+    assert kind == "int8" or {lay.group for _, lay in loaded.quant.layouts} == {want}
+    assert not any(lay.smooth for _, lay in loaded.quant.layouts)
     ref_model = copy.deepcopy(hf)
 
     def layout(name, p):
         if p.ndim != 2:
             return None
         K = p.shape[1]
-        return QuantLayout("int8", K) if method == "int8" else QuantLayout("int4", int4_group(K), True)
+        return QuantLayout("int8", K) if kind == "int8" else QuantLayout("int4", want, True)
 
     _set_dequantized(ref_model, layout)
     assert rel(all_logits(loaded, IDS), hf_logits(ref_model, IDS)) < 1e-4
@@ -835,3 +839,75 @@ def test_bad_smoothquant_inputs(tiny_hf):
     ns = lambda flag, alpha: type("A", (), {"smoothquant": flag, "smoothquant_alpha": alpha})()  # noqa: E731
     assert (_smoothquant_alpha(ns(True, None)), _smoothquant_alpha(ns(None, 0.8)),
             _smoothquant_alpha(ns(True, 0.8)), _smoothquant_alpha(ns(None, None))) == (0.5, 0.8, 0.8, None)
+
+
+# AWQ (int4 with activation-aware scaling) and int4's group sizes
+def test_awq_search_scales_the_outlier_channel():
+    """On rows with one large input channel, AWQ's search picks a scale that grows that
+    channel's weights and lowers the output error below round-to-nearest's; on flat
+    activations the search may keep alpha 0, which is round-to-nearest exactly."""
+    from jaxllm.quantization import awq
+    rng = np.random.default_rng(3)
+    w = rng.normal(0, 1, (64, 128)).astype(np.float32)
+    x = rng.normal(0, 1, (128, 128)).astype(np.float32)
+    x[:, 7] *= 50.0
+    s, alpha, ratio = awq.search(w, x, np.abs(x).mean(0), 32)
+    assert alpha > 0 and ratio < 0.8, (alpha, ratio)
+    assert s[7] == s.max() and s[7] > 4 * np.median(s)
+    s0, _, ratio0 = awq.search(w, x, np.ones(128, np.float32), 32)  # no channel stands out
+    np.testing.assert_allclose(s0, 1.0, rtol=1e-6)
+    assert ratio0 == 1.0
+    # the fake quantizer is the loader's own rounding
+    np.testing.assert_allclose(np.asarray(awq.fake_int4(jnp.asarray(w), 32)),
+                               F.quantize_int4(w, 32).dequantize(), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("group", [32, 64])
+def test_awq_in_a_tiny_llama(outlier_hf, group):
+    """int4 with AWQ (the default calibration) at each group size: the layer matrices carry
+    AWQ's vectors (the embedding and head do not), the logits are nearer the float model's
+    than round-to-nearest's (the planted outlier's weights, divided by 40, round to a few
+    levels without it), and the CPU kernels equal the XLA path."""
+    path, hf = outlier_hf
+    ref = hf_logits(hf, IDS)
+    awq = load_model(path, jnp.float32, load_tokenizer=False, quantization="int4",
+                     quantization_group_size=group)
+    layouts = dict(awq.quant.layouts)
+    assert {n for n, lay in layouts.items() if lay.smooth} == {"layers.wqkv", "layers.wo",
+                                                              "layers.w_gate_up", "layers.w_down"}
+    assert {lay.group for lay in layouts.values()} == {group}
+    assert awq.smoothquant["method"] == "awq" and awq.smoothquant["calibration_tokens"] > 0
+    s = np.asarray(awq.state["layers"]["wqkv"]["smooth"][...])
+    assert s.shape == (2, 64) and not np.allclose(s, 1.0)
+    rtn = load_model(path, jnp.float32, load_tokenizer=False, quantization="int4",
+                     quantization_group_size=group, int4_calibration="none")
+    got, base = all_logits(awq, IDS), all_logits(rtn, IDS)
+    assert rel(got, ref) < 0.5 * rel(base, ref), (rel(got, ref), rel(base, ref))
+    xla = load_model(path, jnp.float32, load_tokenizer=False, quantization="int4",
+                     quantization_group_size=group, matmul_backend="xla")
+    assert xla.quant.backend == "xla" and awq.quant.backend == "cpu"
+    np.testing.assert_array_equal(np.asarray(xla.state["layers"]["wqkv"]["smooth"][...]), s)
+    assert rel(got, all_logits(xla, IDS)) < 1e-4
+
+
+def test_bad_int4_options(tiny_hf):
+    from jaxllm.cli import main
+    from jaxllm.config import EngineConfig
+    path, _ = tiny_hf
+    for bad in (16, 48, 256, 0, True, "64"):
+        with pytest.raises(ValueError, match=r"quantization_group_size must be one of \(32, 64, 128\)"):
+            EngineConfig(quantization="int4", quantization_group_size=bad)
+    for method in (None, "int8", "w8a8", "awq"):
+        with pytest.raises(ValueError, match="quantization_group_size needs quantization='int4'"):
+            EngineConfig(quantization=method, quantization_group_size=64)
+        with pytest.raises(ValueError, match="int4_calibration needs quantization='int4'"):
+            EngineConfig(quantization=method, int4_calibration="awq")
+    with pytest.raises(ValueError, match="int4_calibration must be one of"):
+        EngineConfig(quantization="int4", int4_calibration="gptq")
+    # the tiny model's hidden size is 64: groups of 128 do not divide it
+    with pytest.raises(ValueError, match=r"quantization_group_size=128 does not divide the input "
+                                         r"size 64 of \S+; choose 32 or 64"):
+        load_model(path, jnp.float32, load_tokenizer=False, quantization="int4",
+                   quantization_group_size=128, int4_calibration="none")
+    with pytest.raises(SystemExit):  # the flag offers the same choices
+        main(["generate", "-q", "int4", "--quantization-group-size", "48"])
