@@ -90,13 +90,27 @@ def num_blocks(config, platform: str, per_block: int, runner=None, mesh_size: in
         raise ValueError(f"the KV-cache budget fits {num} blocks of {per_block} bytes; "
                          "at least 2 are needed (raise the memory budget)")
     if platform == "cpu":
-        # past the host's free memory the kernel's OOM killer ends the process silently
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        # past the host's available memory the kernel's OOM killer ends the process silently
+        free = host_available_bytes()
         if num * per_block > free:
             raise ValueError(f"the KV cache needs {num * per_block / 2**30:.1f} GiB of memory "
-                             f"but the host has {free / 2**30:.1f} GiB free; lower "
+                             f"but the host has {free / 2**30:.1f} GiB available; lower "
                              "kv_cache_memory_bytes or num_gpu_blocks_override")
     return num
+
+
+def host_available_bytes() -> int:
+    """Memory the host can give without swapping: the kernel's MemAvailable, which counts the
+    page cache it would drop (free pages alone are near zero on a machine that has read a few
+    gigabytes of files)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def profile_blocks(runner, per_block: int, utilization: float, mesh_size: int = 1) -> int:

@@ -74,6 +74,23 @@ def test_profiled_blocks_count_one_devices_share(monkeypatch):
     assert blocks[1] == budget // per_block and blocks[4] == budget // (per_block // 4)
 
 
+def test_a_cpu_cache_is_checked_against_available_memory(monkeypatch):
+    """On the CPU the cache must fit the host's available memory (page cache counts: it is
+    given back on demand); past it the engine refuses to start, saying why."""
+    import types
+    avail = kv_sizing.host_available_bytes()
+    with open("/proc/meminfo") as f:
+        want = next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemAvailable:"))
+    assert abs(avail - want) < GiB  # the kernel's own figure, not the free pages alone
+    config = types.SimpleNamespace(num_gpu_blocks_override=None, kv_cache_memory_bytes=GiB,
+                                   gpu_memory_utilization=0.9)
+    monkeypatch.setattr(kv_sizing, "host_available_bytes", lambda: 2 * GiB)
+    assert kv_sizing.num_blocks(config, "cpu", 2**20, None) == 1024
+    monkeypatch.setattr(kv_sizing, "host_available_bytes", lambda: GiB // 2)
+    with pytest.raises(ValueError, match="needs 1.0 GiB of memory but the host has 0.5 GiB available"):
+        kv_sizing.num_blocks(config, "cpu", 2**20, None)
+
+
 def test_the_serving_runner_measures_its_multi_step_scratch(tiny_llama, monkeypatch):
     """The scratch that sizes the cache is the serving runner's: with multi-step scheduling
     its largest multi-step call is measured too, and the cache it is given afterwards
