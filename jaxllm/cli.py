@@ -39,6 +39,13 @@ def _smoothquant_alpha(args) -> float | None:
     return DEFAULT_ALPHA if args.smoothquant else None
 
 
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers separated by commas, got {text!r}")
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None, help="HF directory or GGUF file (default: SmolLM2-135M-Instruct)")
@@ -111,6 +118,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--compile-in-background", action=argparse.BooleanOptionalAction, default=None,
                    help="be ready once the shapes holding any step are compiled and compile the "
                         "rest while serving (default: on for serve, off otherwise)")
+    g.add_argument("--token-buckets", type=_int_list, default=None, metavar="T1,T2,...",
+                   help="the padded token counts of the compiled step shapes (default: powers "
+                        "of two up to max-num-batched-tokens, and small decode shapes on a CPU)")
+    g.add_argument("--seq-buckets", type=_int_list, default=None, metavar="S1,S2,...",
+                   help="the padded sequence counts of the compiled step shapes (default: powers "
+                        "of two up to max-num-seqs)")
     g.add_argument("--compilation-cache-dir", default=None,
                    help="persistent XLA compilation cache (default ~/.cache/jaxllm/xla, or "
                         "$JAXLLM_COMPILATION_CACHE_DIR)")

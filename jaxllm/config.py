@@ -20,6 +20,16 @@ def _positive(name: str, value) -> None:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
+def _buckets(name: str, value) -> None:
+    if value is None:
+        return
+    if (not isinstance(value, (list, tuple)) or not value
+            or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in value)
+            or list(value) != sorted(set(value))):
+        raise ValueError(f"{name} must be a non-empty ascending list of positive integers, "
+                         f"got {value!r}")
+
+
 @dataclass
 class EngineConfig:
     """Everything `LLM(**kwargs)` and `jaxllm serve --flags` accept, with vLLM's names."""
@@ -104,6 +114,12 @@ class EngineConfig:
     # shape (and so its last float bits) would then depend on timing; `jaxllm serve` turns it
     # on, where batching already does
     compile_in_background: bool = False
+    # the padded step shapes compiled (jaxllm.runner.buckets): token counts T and sequence
+    # counts S, each ascending, the maxima added if missing. None: powers of two up to
+    # max_num_batched_tokens and max_num_seqs (and, on a CPU, square decode shapes below 16
+    # tokens). Fewer buckets compile faster; a step then pads to a larger shape
+    token_buckets: list[int] | None = None
+    seq_buckets: list[int] | None = None
     # JSON schemas read as JSON Schema has it: an object that does not set
     # additionalProperties may carry keys it never names. Off (vLLM's default backend and
     # OpenAI's strict mode): only the keys a schema describes are generated
@@ -129,6 +145,8 @@ class EngineConfig:
         if self.num_processes > 1 and self.preemption_mode == "swap":
             raise ValueError("preemption_mode='swap' is not supported across processes; "
                              "use 'recompute'")
+        for name in ("token_buckets", "seq_buckets"):
+            _buckets(name, getattr(self, name))
         for name in ("max_model_len", "block_size", "num_gpu_blocks_override",
                      "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes"):
             _positive(name, getattr(self, name))
@@ -195,3 +213,13 @@ class EngineConfig:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
                 f"max_num_seqs ({self.max_num_seqs})")
+        for name, limit in (("token_buckets", "max_num_batched_tokens"), ("seq_buckets", "max_num_seqs")):
+            buckets, top = getattr(self, name), getattr(self, limit)
+            if buckets is not None:
+                if buckets[-1] > top:
+                    raise ValueError(f"{name}: {buckets[-1]} exceeds {limit} ({top})")
+                setattr(self, name, list(buckets) + ([top] if buckets[-1] < top else []))
+        if self.token_buckets is not None and self.seq_buckets is not None \
+                and self.token_buckets[0] < self.seq_buckets[0]:
+            raise ValueError(f"token_buckets: {self.token_buckets[0]} tokens cannot hold the "
+                             f"smallest seq bucket ({self.seq_buckets[0]} sequences)")

@@ -10,7 +10,7 @@ from jaxllm.sampling_params import SamplingParams
 # the KV cache) turn that float noise into bf16 steps of ~1e-3 in a logprob; these tests are
 # about the loops, so they compare at float noise
 ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256,
-              num_gpu_blocks_override=40, dtype="float32")
+              num_gpu_blocks_override=40, dtype="float32", token_buckets=[16, 64], seq_buckets=[4, 8])
 
 
 request_st = st.fixed_dictionaries({

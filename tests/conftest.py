@@ -16,8 +16,12 @@ import pytest  # noqa: E402
 
 from jaxllm.loader.loader import default_model_path, get_tokenizer  # noqa: E402
 
-# Small engine limits keep the number of compiled buckets (and CI time) low.
-SMALL_ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256)
+# Small engine limits keep the number of compiled shapes (and CI time) low: compiling the
+# step shapes is most of an engine's start, and the suite starts many engines. The tests of
+# the default shape set itself (background compilation, bucket choice) use SMALL_LIMITS.
+SMALL_LIMITS = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256)
+FEW_SHAPES = dict(token_buckets=[16, 64], seq_buckets=[4, 8])
+SMALL_ENGINE = {**SMALL_LIMITS, **FEW_SHAPES}
 
 
 def pytest_collection_modifyitems(items):
@@ -161,7 +165,8 @@ def tiny_llm(tiny_llama):
 @pytest.fixture(scope="session")
 def default_llm():
     from jaxllm import LLM
-    return LLM(max_num_seqs=16, max_num_batched_tokens=128, max_model_len=512)
+    return LLM(max_num_seqs=16, max_num_batched_tokens=128, max_model_len=512,
+               token_buckets=[16, 128], seq_buckets=[4, 16])
 
 
 def read_json(path):

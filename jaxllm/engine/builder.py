@@ -161,7 +161,8 @@ def build_engine(config: EngineConfig, lora_modules=(), model_names=()) -> Engin
                            lora.slots if lora is not None else None, num_spec_tokens=k,
                            spec_probabilistic=spec is not None
                            and spec.draft_sample_method == "probabilistic",
-                           num_scheduler_steps=config.num_scheduler_steps)
+                           num_scheduler_steps=config.num_scheduler_steps,
+                           token_buckets=config.token_buckets, seq_buckets=config.seq_buckets)
 
     # the cache's size: measured from the runner that will serve when it depends on its scratch
     runner = None

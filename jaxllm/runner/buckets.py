@@ -39,6 +39,7 @@ class StepShapes:
         (t tokens, t sequences), the shape of a small decode batch (on a CPU a step costs in
         proportion to its padded tokens; a GPU pads for free). With speculative decoding
         (spec_width = k + 1 tokens a verifying sequence runs) also (t * (k + 1), t)."""
+        token_buckets = [t for t in token_buckets if t >= seq_buckets[0]]  # none hold fewer
         seqs_for: dict[int, set[int]] = {}
         for t in decode_buckets:
             if t not in seq_buckets:

@@ -49,7 +49,9 @@ class ModelRunner:
                  max_num_seqs: int, max_num_batched_tokens: int, num_host_blocks: int = 0,
                  attention_backend: str = "cpu", kv_cache_dtype: str = "auto", lora=None,
                  num_spec_tokens: int = 0, spec_probabilistic: bool = False,
-                 num_scheduler_steps: int = 1):
+                 num_scheduler_steps: int = 1, token_buckets: list[int] | None = None,
+                 seq_buckets: list[int] | None = None):
+        """token_buckets, seq_buckets: the step shapes' lists (EngineConfig's); None: derived."""
         self.arch = loaded.arch
         self.lora = lora  # jaxllm.lora.slots.LoRASlots, or None
         self.lora_failures: dict[int, str] = {}  # adapters the last dispatch could not bring in
@@ -67,11 +69,13 @@ class ModelRunner:
         self.mesh = loaded.mesh if loaded.mesh is not None else make_mesh(1)
         platform = platform_of(self.mesh)
         # on a CPU a step's cost follows its padded tokens: small decode batches get shapes
-        # of their own instead of padding to 16 tokens
-        decode = [1, 2, 4, 8] if platform == "cpu" else []
+        # of their own instead of padding to 16 tokens (unless the token buckets are given)
+        decode = [1, 2, 4, 8] if platform == "cpu" and token_buckets is None else []
         self.shapes = StepShapes(
-            make_buckets(min(16, max_num_batched_tokens), max_num_batched_tokens, linear_from=1024),
-            make_buckets(1, max_num_seqs), decode_buckets=decode, spec_width=num_spec_tokens + 1)
+            token_buckets or make_buckets(min(16, max_num_batched_tokens), max_num_batched_tokens,
+                                          linear_from=1024),
+            seq_buckets or make_buckets(1, max_num_seqs), decode_buckets=decode,
+            spec_width=num_spec_tokens + 1)
         self.replicated = sharding(self.mesh)
         self.kv_cache_dtype = kv_cache_dtype
         # XLA's attention on a CPU keeps an fp8 cache as bytes (kv.FP8_BITS), as a bf16 one

@@ -182,6 +182,49 @@ def test_step_shapes_cover_every_batch():
             assert (t, s) in shapes.all and t >= tokens and s >= seqs and s <= t
 
 
+def test_given_buckets_are_the_shapes():
+    """EngineConfig.token_buckets / seq_buckets: exactly the shapes of those lists (the maxima
+    added), no decode shapes of their own; every batch still finds one."""
+    from jaxllm.config import EngineConfig
+    from jaxllm.runner.buckets import StepShapes
+    cfg = EngineConfig(token_buckets=[16], seq_buckets=[4], max_num_seqs=8, max_num_batched_tokens=64)
+    cfg.resolve("cpu", 256)
+    assert cfg.token_buckets == [16, 64] and cfg.seq_buckets == [4, 8]
+    shapes = StepShapes(cfg.token_buckets, cfg.seq_buckets)
+    assert shapes.all == [(16, 4), (16, 8), (64, 8)]
+    assert shapes.pick(1, 1) == (16, 4) and shapes.pick(17, 3) == (64, 8)
+    for tokens in range(1, 65):
+        for seqs in range(1, min(tokens, 8) + 1):
+            t, s = shapes.pick(tokens, seqs)
+            assert (t, s) in shapes.all and t >= tokens and s >= seqs
+    # a token bucket below the smallest seq bucket holds no step: derived lists drop it
+    assert StepShapes([2, 16], [4, 8]).token_buckets == [16]
+    for bad, match in ((dict(token_buckets=[64, 16]), "token_buckets must be a non-empty ascending"),
+                       (dict(seq_buckets=[]), "seq_buckets must be a non-empty ascending"),
+                       (dict(seq_buckets=[0, 4]), "seq_buckets must be"),
+                       (dict(token_buckets="16"), "token_buckets must be")):
+        with pytest.raises(ValueError, match=match):
+            EngineConfig(**bad)
+    for bad, match in ((dict(token_buckets=[128]), r"token_buckets: 128 exceeds max_num_batched_tokens \(64\)"),
+                       (dict(seq_buckets=[16]), r"seq_buckets: 16 exceeds max_num_seqs \(8\)"),
+                       (dict(token_buckets=[2], seq_buckets=[4]), "cannot hold the smallest seq bucket")):
+        cfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, **bad)
+        with pytest.raises(ValueError, match=match):
+            cfg.resolve("cpu", 256)
+
+
+def test_bucket_flags():
+    import argparse
+    from jaxllm.cli import add_engine_args, engine_config_from_args
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    cfg = engine_config_from_args(p.parse_args(["--token-buckets", "16,64", "--seq-buckets", "4"]))
+    assert cfg.token_buckets == [16, 64] and cfg.seq_buckets == [4]
+    assert engine_config_from_args(p.parse_args([])).token_buckets is None
+    with pytest.raises(SystemExit):
+        p.parse_args(["--token-buckets", "16,x"])
+
+
 def test_essential_shapes_are_few_and_hold_every_step():
     """Compiled before serving when the rest compile in the background: the largest shape
     holds every step, and a decode batch finds a square shape at most 4x its size."""

@@ -60,6 +60,13 @@ def test_default_model_greedy_parity_with_hf(default_llm, default_gguf):
     assert outs[1].outputs[0].text == tok.decode(outs[1].outputs[0].token_ids, skip_special_tokens=True)
 
 
+def test_an_engine_compiles_the_given_shapes(tiny_llm):
+    """tiny_llm is built with FEW_SHAPES (conftest): exactly those step shapes compiled."""
+    compiler = tiny_llm.llm_engine.runner.compiler
+    assert sorted(compiler.forward_executables) == [(16, 4), (16, 8), (64, 8)]
+    assert compiler.num_compiles_after_warmup == 0
+
+
 def test_request_output_shape(tiny_llm):
     out = tiny_llm.generate("Hello there", SamplingParams(temperature=0.0, max_tokens=5), use_tqdm=False)[0]
     assert out.finished and out.prompt == "Hello there"

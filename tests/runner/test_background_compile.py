@@ -5,7 +5,7 @@ import threading
 import numpy as np
 import pytest
 
-from conftest import SMALL_ENGINE
+from conftest import SMALL_LIMITS
 from jaxllm import LLM, SamplingParams
 from jaxllm.runner.compiler import StepCompiler
 
@@ -26,7 +26,7 @@ def held_background(monkeypatch):
 
 
 def test_steps_pad_to_essential_shapes_until_the_rest_compile(tiny_llama, tiny_llm, held_background):
-    llm = LLM(tiny_llama, dtype="float32", compile_in_background=True, **SMALL_ENGINE)
+    llm = LLM(tiny_llama, dtype="float32", compile_in_background=True, **SMALL_LIMITS)
     runner = llm.llm_engine.runner
     shapes = runner.shapes
     compiled = runner.compiler.forward_executables
@@ -68,7 +68,7 @@ def test_steps_pad_to_essential_shapes_until_the_rest_compile(tiny_llama, tiny_l
 
 
 def test_shutdown_stops_the_background_compilation(tiny_llama, held_background):
-    llm = LLM(tiny_llama, dtype="float32", compile_in_background=True, **SMALL_ENGINE)
+    llm = LLM(tiny_llama, dtype="float32", compile_in_background=True, **SMALL_LIMITS)
     runner = llm.llm_engine.runner
     compiled = runner.compiler.forward_executables
     before = set(compiled)
@@ -91,7 +91,7 @@ def test_a_failed_background_compile_pads_and_never_compiles_in_a_step(tiny_llam
         return original(self, T, S)
 
     monkeypatch.setattr(StepCompiler, "compile_forward", failing)
-    llm = LLM(tiny_llama, dtype="float32", compile_in_background=True, **SMALL_ENGINE)
+    llm = LLM(tiny_llama, dtype="float32", compile_in_background=True, **SMALL_LIMITS)
     runner = llm.llm_engine.runner
     assert not runner.wait_compiled(timeout=600)  # finished, one shape missing
     assert (1, 1) not in runner.compiler.forward_executables
