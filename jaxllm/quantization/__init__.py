@@ -4,8 +4,8 @@
   int8   weight-only int8, one scale per output channel (W8A16), quantized at load
   int4   weight-only int4 in groups along the input (quantization_group_size: 32, 64 or 128;
          unset, DEFAULT_INT4_GROUP, or 32 where that does not divide), asymmetric (scale and
-         offset per group), quantized at load; the layers' matrices first scaled per input
-         channel by AWQ's activation-aware search (int4_calibration, awq.py)
+         offset per group), quantized at load; int4_calibration="awq" first scales the
+         layers' matrices per input channel by AWQ's activation-aware search (awq.py)
   w8a8   int8 weights per channel and int8 activations quantized per token at run time
   fp8    e4m3 weights per channel and e4m3 activations per token (the GPU path: Hopper's fp8
          matrix units; on a CPU the kernels multiply the e4m3 values as bf16, which is exact)
@@ -13,9 +13,11 @@
   none   dequantize a quantized checkpoint to --dtype at load (jaxllm's; for comparisons)
 Left unset, a quantized checkpoint runs as shipped and a float one unquantized.
 
-int8 and int4 quantize every matrix, the embedding and LM head included (they are a fifth of a
-small model); w8a8 keeps those two weight-only int8 and fp8 keeps them in float, as logits are
-the most sensitive to activation quantization. Layouts are in formats.py.
+int8 quantizes every matrix, the embedding and LM head included (they are a fifth of a small
+model); int4 keeps those two int8 per channel, as llama.cpp's 4-bit files keep them at 8 or 6
+bits (in 4 bits they cost the default model most of int4's perplexity); w8a8 keeps them
+weight-only int8 and fp8 in float, as logits are the most sensitive to activation
+quantization. Layouts are in formats.py.
 
 `smoothquant_alpha` (w8a8 only) adds SmoothQuant to w8a8's layer matrices: smoothquant.py.
 Both SmoothQuant and AWQ leave a per-input-channel vector (`smooth`) that activations are
@@ -40,7 +42,8 @@ INT4_GROUPS = (32, 64, 128)  # as GGUF's Q4 (32) and GPTQ/AWQ checkpoints (64, 1
 # chosen by measuring the default model's perplexity (docs/quantization.md)
 DEFAULT_INT4_GROUP = 32
 INT4_CALIBRATIONS = ("awq", "none")
-DEFAULT_INT4_CALIBRATION = "awq"
+# AWQ searches at load, where the default model gains nothing at groups of 32 (docs)
+DEFAULT_INT4_CALIBRATION = "none"
 
 
 def validate_method(method: str | None) -> None:
@@ -203,9 +206,10 @@ def online_layout(method: str, name: str, spec, smooth: bool = False,
     if method == "int8":
         return QuantLayout("int8", K, scale_dtype="float16")
     if method == "int4":
-        # the embedding is read by rows too, where no vector along its input can be divided out
-        return QuantLayout("int4", int4_group_of(name, K, group_size), offset=True,
-                           smooth=smooth and not head, scale_dtype="float16")
+        if head:  # the logits are the most sensitive to 4-bit weights
+            return QuantLayout("int8", K, scale_dtype="float16")
+        return QuantLayout("int4", int4_group_of(name, K, group_size), offset=True, smooth=smooth,
+                           scale_dtype="float16")
     # w8a8 and fp8 leave the head (and a tied embedding) float, as vLLM's W8A8 and FP8
     # checkpoints do: logits are the most sensitive to activation quantization
     if method == "w8a8":

@@ -12,8 +12,8 @@ same factor at run time (a QWeight's `smooth` vector, as SmoothQuant's):
 alpha = 0 is plain round-to-nearest (s = 1), so on the calibration rows the result is never
 worse than it. Each layer's matrix gets its own alpha; fused q/k/v and gate/up read one input
 and share one vector, searched on their joint output, as the paper scales them together.
-The embedding and LM head stay round-to-nearest: the embedding is read by rows, where no
-vector along its input can be divided out.
+The embedding and LM head are not scaled: int4 keeps them int8 (and the embedding is read
+by rows, where no vector along its input could be divided out).
 
 X comes from the float model, run at load over the same calibration text as SmoothQuant
 (jaxllm.loader.calibration): mean |x| per channel over every calibration token, and the

@@ -441,20 +441,24 @@ IDS = RNG.integers(0, 49152, 37).tolist()
 
 @pytest.mark.parametrize("method", ["int8", "int4", "int4 g64"])
 def test_online_weight_only_equals_its_dequantized_weights(tiny_hf, method):
-    """Every matrix (the embedding and LM head too) quantized at load, rounded to nearest: the
-    logits equal HF's on the same dequantized weights, at each int4 group size."""
+    """Every matrix (the embedding and LM head too, int8 under int4) quantized at load,
+    rounded to nearest: the logits equal HF's on the same dequantized weights, at each int4
+    group size."""
     import copy
 
     from jaxllm.quantization import DEFAULT_INT4_GROUP, QuantLayout
     path, hf = tiny_hf
     kind, group = method.split()[0], int(method.split(" g")[1]) if " g" in method else None
-    extra = {} if kind == "int8" else dict(quantization_group_size=group, int4_calibration="none")
+    extra = {} if kind == "int8" or group is None else dict(quantization_group_size=group)
     loaded = load_model(path, jnp.float32, load_tokenizer=False, quantization=kind, **extra)
     assert loaded.quant.method == kind and loaded.quant.backend == "cpu"
     assert {n for n, _ in loaded.quant.layouts} >= {"embed_tokens", "lm_head", "layers.wqkv",
                                                      "layers.wo", "layers.w_gate_up", "layers.w_down"}
     want = group or DEFAULT_INT4_GROUP
-    assert kind == "int8" or {lay.group for _, lay in loaded.quant.layouts} == {want}
+    layouts = dict(loaded.quant.layouts)
+    heads = ("embed_tokens", "lm_head")
+    assert all(layouts[n].kind == "int8" and layouts[n].group == 64 for n in heads)
+    assert kind == "int8" or {lay.group for n, lay in layouts.items() if n not in heads} == {want}
     assert not any(lay.smooth for _, lay in loaded.quant.layouts)
     ref_model = copy.deepcopy(hf)
 
@@ -462,7 +466,8 @@ def test_online_weight_only_equals_its_dequantized_weights(tiny_hf, method):
         if p.ndim != 2:
             return None
         K = p.shape[1]
-        return QuantLayout("int8", K) if kind == "int8" else QuantLayout("int4", want, True)
+        head = name.split(".")[-2] in heads
+        return QuantLayout("int8", K) if kind == "int8" or head else QuantLayout("int4", want, True)
 
     _set_dequantized(ref_model, layout)
     assert rel(all_logits(loaded, IDS), hf_logits(ref_model, IDS)) < 1e-4
@@ -864,27 +869,28 @@ def test_awq_search_scales_the_outlier_channel():
 
 @pytest.mark.parametrize("group", [32, 64])
 def test_awq_in_a_tiny_llama(outlier_hf, group):
-    """int4 with AWQ (the default calibration) at each group size: the layer matrices carry
-    AWQ's vectors (the embedding and head do not), the logits are nearer the float model's
+    """int4 with AWQ at each group size: the layer matrices carry AWQ's vectors (the int8
+    embedding and head do not), the logits are nearer the float model's
     than round-to-nearest's (the planted outlier's weights, divided by 40, round to a few
     levels without it), and the CPU kernels equal the XLA path."""
     path, hf = outlier_hf
     ref = hf_logits(hf, IDS)
     awq = load_model(path, jnp.float32, load_tokenizer=False, quantization="int4",
-                     quantization_group_size=group)
+                     quantization_group_size=group, int4_calibration="awq")
     layouts = dict(awq.quant.layouts)
     assert {n for n, lay in layouts.items() if lay.smooth} == {"layers.wqkv", "layers.wo",
                                                               "layers.w_gate_up", "layers.w_down"}
-    assert {lay.group for lay in layouts.values()} == {group}
+    assert {lay.group for n, lay in layouts.items() if lay.kind == "int4"} == {group}
+    assert layouts["lm_head"].kind == "int8" and not layouts["lm_head"].smooth
     assert awq.smoothquant["method"] == "awq" and awq.smoothquant["calibration_tokens"] > 0
     s = np.asarray(awq.state["layers"]["wqkv"]["smooth"][...])
     assert s.shape == (2, 64) and not np.allclose(s, 1.0)
     rtn = load_model(path, jnp.float32, load_tokenizer=False, quantization="int4",
-                     quantization_group_size=group, int4_calibration="none")
+                     quantization_group_size=group)  # round to nearest, the default
     got, base = all_logits(awq, IDS), all_logits(rtn, IDS)
     assert rel(got, ref) < 0.5 * rel(base, ref), (rel(got, ref), rel(base, ref))
     xla = load_model(path, jnp.float32, load_tokenizer=False, quantization="int4",
-                     quantization_group_size=group, matmul_backend="xla")
+                     quantization_group_size=group, int4_calibration="awq", matmul_backend="xla")
     assert xla.quant.backend == "xla" and awq.quant.backend == "cpu"
     np.testing.assert_array_equal(np.asarray(xla.state["layers"]["wqkv"]["smooth"][...]), s)
     assert rel(got, all_logits(xla, IDS)) < 1e-4
