@@ -28,8 +28,8 @@ def _int4_args(g) -> None:
     g.add_argument("--quantization-group-size", type=int, default=None, choices=[32, 64, 128],
                    help="with -q int4: weights per scale and offset along the input (default 32)")
     g.add_argument("--int4-calibration", default=None, choices=["awq", "none"],
-                   help="with -q int4: AWQ's activation-aware scaling, searched on the float "
-                        "weights at load (default awq), or none (round to nearest)")
+                   help="with -q int4: awq (AWQ's activation-aware scaling, searched on the "
+                        "float weights at load) or none (round to nearest, the default)")
 
 
 def _smoothquant_alpha(args) -> float | None:

@@ -48,8 +48,8 @@ class EngineConfig:
     # calibrated at load; None: off
     smoothquant_alpha: float | None = None
     # int4 made at load (jaxllm.quantization): its group along the input (32, 64 or 128;
-    # None: DEFAULT_INT4_GROUP) and AWQ's activation-aware scaling ("awq", the default, or
-    # "none": plain round-to-nearest; jaxllm.quantization.awq)
+    # None: DEFAULT_INT4_GROUP) and its calibration: "awq" (AWQ's activation-aware scaling,
+    # jaxllm.quantization.awq) or "none" (round to nearest; None: DEFAULT_INT4_CALIBRATION)
     quantization_group_size: int | None = None
     int4_calibration: str | None = None
     seed: int = 0

@@ -19,10 +19,11 @@ X comes from the float model, run at load over the same calibration text as Smoo
 (jaxllm.loader.calibration): mean |x| per channel over every calibration token, and the
 error measured on SAMPLE_ROWS of them spread evenly over the chunks.
 
-Cost at load: the calibration pass (a few seconds for the default model), then per layer and
-matrix GRID fake quantizations and products of SAMPLE_ROWS rows, jitted: on the 2-core CI
-machine about 10 s for the default model's 120 matrices (`loaded ...` and the AWQ line of the
-start-up log give the seconds). No clipping search: the grid over alpha is the whole method.
+Cost at load: the calibration pass, then per layer and matrix GRID fake quantizations and
+products of SAMPLE_ROWS rows, jitted (the products dominate: GRID * SAMPLE_ROWS * 2 flops per
+weight). On the 2-core CI machine the default model's 120 matrices took 17-27 s in all, where
+loading it takes 3 s; the AWQ line of the start-up log gives the seconds, and the search is
+why it is not the default. No clipping search: the grid over alpha is the whole method.
 """
 from __future__ import annotations
 

@@ -896,6 +896,28 @@ def test_awq_in_a_tiny_llama(outlier_hf, group):
     assert rel(got, all_logits(xla, IDS)) < 1e-4
 
 
+def test_awq_convert_round_trip(outlier_hf, tmp_path):
+    """`jaxllm convert -q int4 --quantization-group-size 64 --int4-calibration awq` stores the
+    codes and AWQ's vectors; the checkpoint restores as the model made at load, and the int4
+    options asked of it again are refused (they were applied when converting)."""
+    from jaxllm.cli import main
+    from jaxllm.loader import orbax as jo
+    path, _ = outlier_hf
+    out = str(tmp_path / "awq")
+    assert main(["convert", path, out, "--dtype", "float32", "-q", "int4",
+                 "--quantization-group-size", "64", "--int4-calibration", "awq"]) == 0
+    meta = jo.read_metadata(out)
+    assert meta["quant_layouts"]["layers.w_down"]["smooth"] is True
+    assert meta["quant_layouts"]["layers.w_down"]["group"] == 64 and meta["smoothquant"]["method"] == "awq"
+    ref = load_model(path, jnp.float32, load_tokenizer=False, quantization="int4",
+                     quantization_group_size=64, int4_calibration="awq")
+    got = load_model(out, jnp.float32, load_tokenizer=False)
+    assert got.quant == ref.quant
+    np.testing.assert_array_equal(all_logits(got, IDS), all_logits(ref, IDS))
+    with pytest.raises(ValueError, match="leave quantization_group_size and int4_calibration unset"):
+        load_model(out, jnp.float32, load_tokenizer=False, quantization="int4", int4_calibration="awq")
+
+
 def test_bad_int4_options(tiny_hf):
     from jaxllm.cli import main
     from jaxllm.config import EngineConfig
