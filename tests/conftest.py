@@ -20,7 +20,16 @@ from jaxllm.loader.loader import default_model_path, get_tokenizer  # noqa: E402
 # step shapes is most of an engine's start, and the suite starts many engines. The tests of
 # the default shape set itself (background compilation, bucket choice) use SMALL_LIMITS.
 SMALL_LIMITS = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256)
-FEW_SHAPES = dict(token_buckets=[16, 64], seq_buckets=[4, 8])
+
+
+def few_shapes(max_num_seqs: int, max_num_batched_tokens: int) -> dict:
+    """Two token buckets and two sequence buckets: three step shapes where the derived set
+    of the same limits has about ten."""
+    return dict(token_buckets=sorted({min(16, max_num_batched_tokens), max_num_batched_tokens}),
+                seq_buckets=sorted({max(1, max_num_seqs // 2), max_num_seqs}))
+
+
+FEW_SHAPES = few_shapes(SMALL_LIMITS["max_num_seqs"], SMALL_LIMITS["max_num_batched_tokens"])
 SMALL_ENGINE = {**SMALL_LIMITS, **FEW_SHAPES}
 
 

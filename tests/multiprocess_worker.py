@@ -13,7 +13,7 @@ def main():
     prompts = json.loads(os.environ["JAXLLM_TEST_PROMPTS"])
     llm = LLM(model, tensor_parallel_size=2, distributed_coordinator=coordinator, num_processes=2,
               process_id=int(process_id), max_num_seqs=4, max_num_batched_tokens=64,
-              max_model_len=256, warmup=False)
+              max_model_len=256, warmup=False, token_buckets=[16, 64], seq_buckets=[2, 4])
     # only process 0 gets here; the follower exits inside LLM() once process 0 shuts down
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)

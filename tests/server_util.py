@@ -48,5 +48,6 @@ def stop(proc) -> None:
         proc.wait()
 
 
-# the server tests' engine: small, so that its buckets compile quickly
-SERVER_ENGINE = ["--max-model-len", "256", "--max-num-seqs", "16", "--max-num-batched-tokens", "128"]
+# the server tests' engine: small, with few step shapes, so that they compile quickly
+SERVER_ENGINE = ["--max-model-len", "256", "--max-num-seqs", "16", "--max-num-batched-tokens", "128",
+                 "--token-buckets", "16,128", "--seq-buckets", "8,16"]

@@ -14,7 +14,8 @@ from conftest import read_json
 from server_util import start_server
 from jaxllm.cli import main
 
-ENGINE = ["--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--max-model-len", "256"]
+ENGINE = ["--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--max-model-len", "256",
+          "--token-buckets", "16,64", "--seq-buckets", "4,8"]
 
 
 def run_cli(*argv):

@@ -17,6 +17,7 @@ from lora_util import hf_greedy, make_adapter
 MODEL = "tiny"
 # the engine of test_lora.py's lora_llm: its programs come from the shared compilation cache
 ENGINE = ["--max-model-len", "256", "--max-num-seqs", "8", "--max-num-batched-tokens", "64",
+          "--token-buckets", "16,64", "--seq-buckets", "4,8",
           "--enable-lora", "--max-loras", "3", "--max-lora-rank", "16"]
 
 

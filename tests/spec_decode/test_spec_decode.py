@@ -269,9 +269,11 @@ def test_scheduler_budget_rollback_and_prefix_cache():
 
 # engines on tiny checkpoints (the shapes of conftest.SMALL_ENGINE)
 def spec_llm(model, spec, **kw):
-    from conftest import SMALL_ENGINE
+    from conftest import SMALL_LIMITS, few_shapes
     from jaxllm import LLM
-    return LLM(model, speculative_config=spec, **{**SMALL_ENGINE, **kw})
+    kw = {**SMALL_LIMITS, **kw}
+    return LLM(model, speculative_config=spec,
+               **few_shapes(kw["max_num_seqs"], kw["max_num_batched_tokens"]), **kw)
 
 
 @pytest.fixture(scope="module")
@@ -445,7 +447,7 @@ def test_default_model_ngram_greedy_identical_on_copy_prompts(default_llm):
     from jaxllm import LLM
     # fewer step shapes than default_llm's: the speculating step compiles for this test only
     llm = LLM(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=512,
-              speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+              token_buckets=[16, 64], seq_buckets=[2, 4], speculative_config={"method": "ngram", "num_speculative_tokens": 4,
                                   "prompt_lookup_min": 2, "prompt_lookup_max": 5})
     src = datasets.TokenSource(llm.llm_engine.arch.vocab_size, set(), 0)
     samples = datasets.copy_dataset(src, llm.get_tokenizer(), 2, output_len=48)
