@@ -21,9 +21,9 @@ error measured on SAMPLE_ROWS of them spread evenly over the chunks.
 
 Cost at load: the calibration pass, then per layer and matrix GRID fake quantizations and
 products of SAMPLE_ROWS rows, jitted (the products dominate: GRID * SAMPLE_ROWS * 2 flops per
-weight). On the 2-core CI machine the default model's 120 matrices took 17-32 s in all, where
-loading it takes 3 s; the AWQ line of the start-up log gives the seconds, and the search is
-why it is not the default. No clipping search: the grid over alpha is the whole method.
+weight), several times the load itself on a CPU; the AWQ line of the start-up log gives the
+seconds (docs/quantization.md has the measured cost), and the search is why it is not the
+default. No clipping search: the grid over alpha is the whole method.
 """
 from __future__ import annotations
 
