@@ -317,6 +317,8 @@ def main(argv=None) -> int:
              True),
             ("lora", "lora", "multi-LoRA serving against the base model alone", True),
             ("serve", "serve", "online load against an OpenAI-compatible server", False),
+            ("serve-peer", "serve_peer", "jaxllm serve against vLLM's server through vLLM's "
+             "bench serve client", False),
             ("kernels", "kernels", "paged-attention kernels against measured peaks", False),
             ("dots", "dots", "the dtype forms of a projection's dot on this machine", False),
             ("detok", "detok", "the detokenizer's cost per token along a long stream", False),
