@@ -39,6 +39,15 @@ def _smoothquant_alpha(args) -> float | None:
     return DEFAULT_ALPHA if args.smoothquant else None
 
 
+def _auto_int(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number or 'auto', got {text!r}") from None
+
+
 def _int_list(text: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",")]
@@ -69,6 +78,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-gpu-blocks-override", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=None)
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--max-num-batched-tokens-while-decoding", type=_auto_int, default=None, metavar="N|auto",
+                   help="the tokens of a step in which requests decode (or 4 per decode if "
+                        "more), prompt chunks getting what the decodes leave (0: "
+                        "max-num-batched-tokens; auto: 64 on a CPU, no cap on a GPU; `serve` "
+                        "defaults to auto)")
     g.add_argument("--attention-backend", default=None, choices=["auto", "pallas", "cpu", "xla"],
                    help="paged attention: the Pallas kernels (default on GPU), the CPU kernels "
                         "(default on CPU) or XLA's ops")
@@ -135,6 +149,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     kwargs = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
               if hasattr(args, f.name) and getattr(args, f.name) is not None}
+    if kwargs.get("max_num_batched_tokens_while_decoding") == "auto":
+        kwargs["max_num_batched_tokens_while_decoding"] = None  # resolved for the platform
     if hasattr(args, "smoothquant"):
         kwargs["smoothquant_alpha"] = _smoothquant_alpha(args)
     return EngineConfig(**kwargs)
@@ -206,6 +222,8 @@ def cmd_serve(args) -> int:
         raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser")
     if args.compile_in_background is None:  # a server is ready sooner; its batching varies anyway
         args.compile_in_background = True
+    if args.max_num_batched_tokens_while_decoding is None:  # streams keep their pace
+        args.max_num_batched_tokens_while_decoding = "auto"
     return run_server(engine_config_from_args(args), args.host, args.port, args.served_model_name,
                       args.api_key, args.max_queue_len, args.shutdown_timeout, args.log_interval,
                       args.tool_call_parser if args.enable_auto_tool_choice else None,

@@ -62,6 +62,12 @@ class EngineConfig:
     # scheduler; None picks a default for the platform in resolve()
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
+    # the tokens of a step in which requests decode (or 4 per decode, if more): prompt chunks
+    # get what the decodes leave, so streams keep near a decode step's inter-token latency while
+    # prompts arrive; steps without decodes still take max_num_batched_tokens. 0: no cap (best
+    # offline throughput); None: 64 on a CPU (where a step costs in proportion to its
+    # tokens), no cap on a GPU. `jaxllm serve` defaults to None
+    max_num_batched_tokens_while_decoding: int | None = 0
     # paged attention: "pallas" (the Pallas kernels; auto on a GPU), "cpu" (the CPU kernels;
     # auto on a CPU where cpu_kernels) or "xla" (XLA's ops)
     attention_backend: str = "auto"
@@ -209,6 +215,11 @@ class EngineConfig:
             self.max_num_seqs = 256 if on_gpu else 64
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = 8192 if on_gpu else 512
+        if self.max_num_batched_tokens_while_decoding is None:
+            self.max_num_batched_tokens_while_decoding = 0 if on_gpu else 64
+        if self.max_num_batched_tokens_while_decoding < 0:
+            raise ValueError("max_num_batched_tokens_while_decoding must be at least 0 (0: no cap), "
+                             f"got {self.max_num_batched_tokens_while_decoding}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "

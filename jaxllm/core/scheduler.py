@@ -28,6 +28,7 @@ from collections import deque
 
 from jaxllm.core.kv_cache_manager import KVCacheManager, cdiv
 from jaxllm.core.request import Request, RequestStatus
+from jaxllm.core.stops import check_stop, none_stop
 from jaxllm.core.scheduler_output import (CachedRequestData, NewRequestData, RequestUpdate,
                                           SchedulerOutput)
 
@@ -40,7 +41,7 @@ class Scheduler:
                  max_num_batched_tokens: int, max_model_len: int, policy: str = "fcfs",
                  preemption_mode: str = "recompute", max_loras: int = 0,
                  num_lookahead_tokens: int = 0, num_spec_tokens: int = 0,
-                 num_scheduler_steps: int = 1):
+                 num_scheduler_steps: int = 1, max_num_batched_tokens_while_decoding: int = 0):
         capacity = kv_cache_manager.pool.num_usable_blocks * kv_cache_manager.block_size
         if capacity < max_model_len:
             # otherwise a lone request could outgrow the pool and wait for blocks forever
@@ -79,6 +80,9 @@ class Scheduler:
         self.spec_num_accepted_tokens = 0
         self.spec_accepted_per_pos = [0] * num_spec_tokens
         self.num_scheduler_steps = num_scheduler_steps
+        # the tokens of a step in which requests decode (prompts get what the decodes leave),
+        # so their inter-token latency stays near a decode step's (0: max_num_batched_tokens)
+        self.max_num_batched_tokens_while_decoding = max_num_batched_tokens_while_decoding
 
     def _order(self, req: Request):
         return (req.priority, req.arrival_time) if self.policy == "priority" else (req.arrival_time,)
@@ -220,9 +224,23 @@ class Scheduler:
         head = self.waiting[0]
         return cdiv(head.num_tokens + 1, self.kv.block_size) <= self.kv.num_free_blocks
 
+    def _prefill_budget(self) -> int:
+        """Prompt tokens (prefill chunks, recomputation) this step may carry. While requests
+        decode, the step holds max(max_num_batched_tokens_while_decoding, 4 x their tokens):
+        prompts get what the decodes leave, and at least three tokens per decode, so that
+        under many streams arrivals still keep up with departures."""
+        cap = self.max_num_batched_tokens_while_decoding
+        decode = 0
+        if cap:
+            for r in self.running:
+                if r.num_tokens_with_placeholders - r.num_computed_tokens == 1:
+                    decode += 1 + len(r.spec_token_ids)
+        return max(cap, 4 * decode) - decode if decode else self.max_num_batched_tokens
+
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         passes = self._passes()
+        prefill = self._prefill_budget() if passes == 1 else budget
         num_scheduled: dict[str, int] = {}
         new_blocks: dict[str, list[int]] = {}
         preempted: list[Request] = []
@@ -242,6 +260,12 @@ class Scheduler:
                 i += 1  # nothing to compute until its tokens in flight are known
                 continue
             num_new = min(num_known, budget)
+            if num_known > 1:  # a prompt's chunk (or a preempted request catching up)
+                if prefill <= 0:
+                    i += 1
+                    continue
+                num_new = min(num_new, prefill)
+                prefill -= num_new
             if passes > 1:  # one token per pass, all but the first sampled on the device
                 num_new = min(passes, left)
             elif req.spec_token_ids and num_new == num_known:
@@ -276,7 +300,7 @@ class Scheduler:
         # may fit after all, through prefix hits that _could_admit does not count)
         loras = self._running_loras()
         skipped: list[Request] = []  # waiting for an adapter slot: they keep their place
-        while (self.waiting and not preempted and budget > 0 and passes == 1
+        while (self.waiting and not preempted and min(budget, prefill) > 0 and passes == 1
                and len(self.running) < self.max_num_seqs):
             req = self.waiting[0]
             if req.num_output_placeholders:
@@ -289,7 +313,7 @@ class Scheduler:
                 skipped.append(self.waiting.popleft())
                 continue
             if req.status == RequestStatus.SWAPPED:
-                num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+                num_new = min(req.num_tokens - req.num_computed_tokens, budget, prefill)
                 if num_new < 1:  # its next token must exist on the host: it would sample nothing
                     raise RuntimeError(f"{req!r} was swapped out without its last token")
                 got = self.kv.swap_in(req, num_new, self._lookahead(req.num_computed_tokens + num_new))
@@ -302,7 +326,7 @@ class Scheduler:
                 looked_up = req.num_computed_tokens == 0
                 if looked_up:
                     computed, num_hit = self.kv.get_computed_blocks(req)
-                num_new = min(req.num_tokens - req.num_computed_tokens - num_hit, budget)
+                num_new = min(req.num_tokens - req.num_computed_tokens - num_hit, budget, prefill)
                 lookahead = self._lookahead(req.num_computed_tokens + num_hit + num_new)
                 blocks = self.kv.allocate_slots(req, num_new, computed, lookahead)
                 if blocks is None and self._release_waiting_blocks(req):
@@ -322,6 +346,7 @@ class Scheduler:
             num_scheduled[req.request_id] = num_new
             new_blocks[req.request_id] = blocks
             budget -= num_new
+            prefill -= num_new
         self.waiting.extendleft(reversed(skipped))
 
         finished = self._finished_ids | {r.request_id for r in preempted}
@@ -426,7 +451,7 @@ class Scheduler:
                 else:  # preempted while its prompt step ran: its blocks are gone
                     self._release_forks(req)
             toks = sampled.get(rid, ())
-            if len(toks) > 1 and self._none_stops(req, toks):
+            if len(toks) > 1 and none_stop(req, toks, self.max_model_len):
                 # a multi-token step that ends nothing: its tokens go in at once (the list is
                 # this step's own)
                 req.append_output_tokens(toks)
@@ -438,7 +463,7 @@ class Scheduler:
                 req.append_output_token(token)
                 new.append(token)
                 self.num_generation_tokens += 1
-                status = self._check_stop(req, token)
+                status = check_stop(req, token, self.max_model_len)
                 if status is not None:
                     self._finish(req, status)
                     break
@@ -470,28 +495,3 @@ class Scheduler:
             # with no free block the sibling recomputes its prompt like any new request
             self._enqueue(sib, front=True)
         leader.forks = []
-
-    def _none_stops(self, req: Request, tokens: list[int]) -> bool:
-        """None of these tokens, appended in order, would end the request (_check_stop's
-        conditions for all of them at once; min_tokens only delays a stop, so it is left out)."""
-        n, max_tokens = len(tokens), req.sampling_params.max_tokens
-        if len(req.all_token_ids) + n >= self.max_model_len:
-            return False
-        if max_tokens is not None and len(req.output_token_ids) + n >= max_tokens:
-            return False
-        return req.stop_ids.isdisjoint(tokens)
-
-    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
-        params = req.sampling_params
-        if req.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        if params.max_tokens is not None and req.num_output_tokens >= params.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        if req.num_output_tokens < params.min_tokens:
-            return None
-        if token not in req.stop_ids:  # EOS (unless ignored) and the stop ids
-            return None
-        if not params.ignore_eos and token == req.eos_token_id:
-            return RequestStatus.FINISHED_STOPPED
-        req.stop_reason = token
-        return RequestStatus.FINISHED_STOPPED

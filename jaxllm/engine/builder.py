@@ -181,7 +181,8 @@ def build_engine(config: EngineConfig, lora_modules=(), model_names=()) -> Engin
                           config.max_model_len, config.scheduling_policy, config.preemption_mode,
                           config.max_loras if config.enable_lora else 0,
                           num_lookahead_tokens=k if draft is not None else 0,
-                          num_spec_tokens=k, num_scheduler_steps=config.num_scheduler_steps)
+                          num_spec_tokens=k, num_scheduler_steps=config.num_scheduler_steps,
+                          max_num_batched_tokens_while_decoding=config.max_num_batched_tokens_while_decoding)
     if runner is None:
         runner = make_runner(num_blocks)
     else:

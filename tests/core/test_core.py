@@ -69,6 +69,58 @@ def test_token_budget_and_chunked_prefill():
     assert out.num_scheduled_tokens == {"long": 1, "short": 1}  # both decoding
 
 
+def test_steps_with_decodes_are_capped():
+    s, _ = make(budget=32, max_num_batched_tokens_while_decoding=8)
+    s.add_request(req("a", 20, max_tokens=20))
+    out, _ = run_step(s)
+    assert out.num_scheduled_tokens == {"a": 20}  # nothing decodes yet: the whole budget
+    s.add_request(req("b", 9, max_tokens=20))
+    s.add_request(req("c", 9, max_tokens=20))
+    out, _ = run_step(s)
+    assert out.num_scheduled_tokens == {"a": 1, "b": 7}  # "a" decodes: 8 tokens in all
+    out, _ = run_step(s)
+    # the running chunk first, then the waiting prompt gets what is left
+    assert out.num_scheduled_tokens == {"a": 1, "b": 2, "c": 5}
+    out, _ = run_step(s)
+    assert out.num_scheduled_tokens == {"a": 1, "b": 1, "c": 4}
+    # more decodes than a quarter of the cap: the step holds 4 tokens per decode
+    s3, _ = make(budget=64, max_num_seqs=16, max_num_batched_tokens_while_decoding=8)
+    for i in range(3):
+        s3.add_request(req(str(i), 2, max_tokens=20))
+    run_step(s3)
+    s3.add_request(req("late", 30))
+    out, _ = run_step(s3)
+    assert out.num_scheduled_tokens == {"0": 1, "1": 1, "2": 1, "late": 9}
+    s2, _ = make(budget=32)  # without the cap, the budget alone
+    s2.add_request(req("a", 20, max_tokens=20))
+    run_step(s2)
+    s2.add_request(req("b", 9))
+    s2.add_request(req("c", 9))
+    out, _ = run_step(s2)
+    assert out.num_scheduled_tokens == {"a": 1, "b": 9, "c": 9}
+
+
+def test_prefill_cap_flag_and_its_platform_default():
+    import argparse
+    from jaxllm.cli import add_engine_args, engine_config_from_args
+    from jaxllm.config import EngineConfig
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    cfg = engine_config_from_args(p.parse_args([]))
+    assert cfg.max_num_batched_tokens_while_decoding == 0  # offline: no cap
+    cfg = engine_config_from_args(p.parse_args(["--max-num-batched-tokens-while-decoding", "auto"]))
+    assert cfg.max_num_batched_tokens_while_decoding is None
+    cfg.resolve("cpu", 512)
+    assert cfg.max_num_batched_tokens_while_decoding == 64
+    gpu = EngineConfig(max_num_batched_tokens_while_decoding=None)
+    gpu.resolve("gpu", 512)
+    assert gpu.max_num_batched_tokens_while_decoding == 0
+    with pytest.raises(SystemExit):
+        p.parse_args(["--max-num-batched-tokens-while-decoding", "some"])
+    with pytest.raises(ValueError, match="max_num_batched_tokens_while_decoding"):
+        EngineConfig(max_num_batched_tokens_while_decoding=-1).resolve("cpu", 512)
+
+
 def test_max_num_seqs_limits_running():
     s, _ = make(max_num_seqs=2)
     for i in range(4):
