@@ -52,6 +52,14 @@ class StepPrograms:
     lora_weights: Any | None  # LoRA: the adapter slots' weights
 
 
+def _lowest_priority() -> None:
+    """This thread (only: Linux's nice value is per thread) yields the CPU to the others."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):  # not Linux, or not allowed: it runs as before
+        pass
+
+
 def _stop_thread(stop: threading.Event, thread: threading.Thread | None) -> None:
     stop.set()
     if thread is not None:
@@ -242,7 +250,9 @@ class StepCompiler:
                         "its steps pad to a larger compiled shape", len(rest))
 
     def compile_remaining(self, jobs) -> None:
-        """The background thread's work: `jobs` one at a time, until done or stopped."""
+        """The background thread's work: `jobs` one at a time, until done or stopped, at the
+        lowest CPU priority: the steps being served take the cores first."""
+        _lowest_priority()
         start = time.perf_counter()
         for table, key, fn in jobs:
             if self._stop_background.is_set():
