@@ -127,6 +127,27 @@ def test_detok(tiny_llama, tmp_path):
     assert r["stop"] == ["NEVER-IN-THE-TEXT"] and r["tokens_per_step"] == 2
 
 
+def test_serve_peer_ratios_are_medians_over_starts_against_vllm():
+    """vLLM's server cannot run here; the report's arithmetic can: per configuration and
+    round, medians over starts, and jaxllm's against vLLM's of the same round."""
+    from benchmarks.serve_peer import _ratios, _report
+
+    def run(server, rounds):
+        return {"server": server, "rounds": [dict(output_throughput=t, p99_itl_ms=p,
+                                                  median_itl_ms=1.0, median_ttft_ms=2.0)
+                                             for t, p in rounds]}
+    runs = [run("vllm", [(100, 50), (110, 40)]), run("jaxllm:a", [(150, 60), (160, 30)]),
+            run("vllm", [(120, 70), (130, 60)]), run("jaxllm:a", [(170, 20), (180, 50)])]
+    r = _ratios(runs, 2)
+    assert r["vllm"][0]["output_throughput"] == 110 and r["vllm"][1]["p99_itl_ms"] == 50
+    assert r["jaxllm:a"][0]["throughput_vs_vllm"] == pytest.approx(160 / 110)
+    assert r["jaxllm:a"][0]["p99_itl_vs_vllm"] == pytest.approx(40 / 60)
+    assert r["jaxllm:a"][1]["throughput_vs_vllm"] == pytest.approx(170 / 120)
+    lines = _report(r)
+    assert len(lines) == 4 and "1.45x vLLM" in lines[2] and "from ready" in lines[2]
+    assert "throughput_vs_vllm" not in _ratios(runs[1::2], 2)["jaxllm:a"][0]  # no peer: no ratio
+
+
 def test_revisions(tiny_llama, tmp_path, capsys):
     """One benchmark at two revisions, each from a worktree of its own, alternated; the
     worktrees are gone afterwards. HEAD against itself: the deterministic field agrees."""
