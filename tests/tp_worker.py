@@ -22,7 +22,7 @@ def main():
     for tp in sizes:
         try:
             llm = LLM(model, tensor_parallel_size=tp, dtype="float32", max_num_seqs=4, max_num_batched_tokens=64,
-                      max_model_len=256, warmup=False, token_buckets=[16, 64], seq_buckets=[2, 4], enable_prefix_caching=False,
+                      max_model_len=256, warmup=False, token_buckets=[64], seq_buckets=[4], enable_prefix_caching=False,
                       attention_backend=os.environ.get("JAXLLM_TEST_BACKEND", "cpu"),
                       quantization=os.environ.get("JAXLLM_TEST_QUANT") or None)
         except ValueError as e:
