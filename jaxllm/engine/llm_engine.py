@@ -196,6 +196,8 @@ class LLMEngine:
                 continue  # never reached the scheduler
             self.scheduler.finish_requests([s.request.request_id for s in parent.seqs],
                                            RequestStatus.FINISHED_ABORTED)
+        if not self.has_unfinished_requests():  # the background compilation may go on
+            self.runner.compiler.set_serving(False)
 
     def has_unfinished_requests(self) -> bool:
         # a step still in flight is work too: its results are collected by the next step()
@@ -214,6 +216,9 @@ class LLMEngine:
         reads the previous one's tokens and builds its outputs (and, in the next call,
         schedules the step after); without it, each step is read before the next one."""
         outputs = []
+        compiling = self.runner.compiler.compiling_in_background
+        if compiling:
+            self.runner.compiler.set_serving(True)
         # a request whose sampling needs every earlier token on the host (multi-token bad
         # words) keeps steps from overlapping while it runs
         overlap = self.config.async_scheduling and not self.scheduler.needs_host_tokens
@@ -250,6 +255,8 @@ class LLMEngine:
             outputs += self._finish_step(*self._in_flight)
             self._in_flight = None
         self.engine_stats.account_step()
+        if compiling:
+            self.runner.compiler.set_serving(self.has_unfinished_requests())
         return outputs
 
     def _finish_step(self, out: SchedulerOutput, flight: InFlight | None) -> list[RequestOutput]:

@@ -89,6 +89,9 @@ class StepCompiler:
         # the shapes compiling after start-up (compile_all(background=True)), and its stop flag
         self._background: threading.Thread | None = None
         self._stop_background = threading.Event()
+        # set while no step is being served: the background compilation runs only then
+        self._idle = threading.Event()
+        self._idle.set()
         self.background_compile_seconds: float | None = None  # once the thread has finished
 
     # shapes
@@ -251,10 +254,15 @@ class StepCompiler:
 
     def compile_remaining(self, jobs) -> None:
         """The background thread's work: `jobs` one at a time, until done or stopped, at the
-        lowest CPU priority: the steps being served take the cores first."""
+        lowest CPU priority and only while the engine has no request (set_serving): XLA's
+        compiler would otherwise take a share of the cores from every step, and until the
+        rest are compiled steps pad to essential shapes, which cost little more."""
         _lowest_priority()
         start = time.perf_counter()
         for table, key, fn in jobs:
+            while not self._idle.wait(0.5):
+                if self._stop_background.is_set():
+                    return
             if self._stop_background.is_set():
                 return
             try:
@@ -264,6 +272,14 @@ class StepCompiler:
         self.background_compile_seconds = time.perf_counter() - start
         logger.info("compiled the remaining %d step executables in the background in %.1f s",
                     len(jobs), self.background_compile_seconds)
+
+    def set_serving(self, serving: bool) -> None:
+        """Whether the engine has requests: the background compilation pauses meanwhile (a
+        shape being compiled finishes first)."""
+        if serving:
+            self._idle.clear()
+        else:
+            self._idle.set()
 
     @property
     def compiling_in_background(self) -> bool:

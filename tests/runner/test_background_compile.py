@@ -103,3 +103,20 @@ def test_a_failed_background_compile_pads_and_never_compiles_in_a_step(tiny_llam
     assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
     assert runner.num_compiles_after_warmup == 0
     llm.llm_engine.shutdown()
+
+
+def test_background_compilation_waits_while_requests_run(tiny_llama, held_background):
+    """The rest of the shapes compile only while the engine has no request: a step being
+    served never shares the cores with XLA's compiler."""
+    llm = LLM(tiny_llama, dtype="float32", compile_in_background=True, **SMALL_LIMITS)
+    engine, compiler = llm.llm_engine, llm.llm_engine.runner.compiler
+    before = set(compiler.forward_executables)
+    engine.add_request("r", list(range(10, 30)), SamplingParams(max_tokens=6, ignore_eos=True))
+    engine.step()
+    held_background.set()  # the thread may start: it finds the engine serving
+    assert not compiler.wait_compiled(timeout=2)
+    assert set(compiler.forward_executables) == before
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert compiler.wait_compiled(timeout=600)  # idle: it goes on
+    assert len(compiler.forward_executables) > len(before)
