@@ -28,9 +28,9 @@ from collections import deque
 
 from jaxllm.core.kv_cache_manager import KVCacheManager, cdiv
 from jaxllm.core.request import Request, RequestStatus
-from jaxllm.core.stops import check_stop, none_stop
 from jaxllm.core.scheduler_output import (CachedRequestData, NewRequestData, RequestUpdate,
                                           SchedulerOutput)
+from jaxllm.core.stops import check_stop, none_stop
 
 POLICIES = ("fcfs", "priority")
 PREEMPTION_MODES = ("recompute", "swap")
