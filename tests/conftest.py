@@ -8,6 +8,10 @@ if os.environ.get("JAXLLM_GPU_TESTS") != "1":
 # one compilation cache for the whole run, so engines of the same shapes compile once
 os.environ.setdefault("JAXLLM_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="jaxllm-xla-"))
 os.environ.setdefault("JAXLLM_TOKENIZER_CACHE_DIR", tempfile.mkdtemp(prefix="jaxllm-tok-"))
+# two workers (pytest-xdist) share the cores: the HF reference models' OpenMP threads would
+# otherwise spin against the other worker's (XLA's own pool yields)
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import gc  # noqa: E402
 import json  # noqa: E402
