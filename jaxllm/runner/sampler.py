@@ -314,19 +314,31 @@ def sample(logits: jax.Array, md: SamplingMetadata, state: SamplerState, bitmask
 def prompt_logprobs(compute_logits, hidden: jax.Array, next_ids: jax.Array, num_real: jax.Array,
                     vocab: int):
     """Raw logprob (and rank, top ids) of each token's next prompt token, in chunks of tokens
-    so that the [tokens, vocab] logits never exist at once."""
+    so that the [tokens, vocab] logits never exist at once; chunks past the real tokens are
+    skipped. The chunks are a scan of a fixed length with each top-k its own output: in a
+    while loop that carries the results, XLA:CPU peels the first iteration and turns its top-k
+    into a full sort of the vocabulary."""
     T = hidden.shape[0]
     C = min(T, PROMPT_LP_CHUNK)
+    n = -(-T // C)
     k = min(MAX_LOGPROBS, vocab)
+    pad = n * C - T
+    hidden = jnp.pad(hidden, ((0, pad), (0, 0))).reshape(n, C, hidden.shape[-1])
+    next_ids = jnp.pad(next_ids, (0, pad)).reshape(n, C)
+    empty = (jnp.zeros(C, jnp.float32), jnp.zeros(C, jnp.int32), jnp.zeros((C, k), jnp.int32),
+             jnp.zeros((C, k), jnp.float32))
 
-    def chunk(i, acc):
-        h = jax.lax.dynamic_slice_in_dim(hidden, i * C, C)
-        nxt = jax.lax.dynamic_slice_in_dim(next_ids, i * C, C)
+    def stats(h, nxt):
         logp = jax.nn.log_softmax(compute_logits(h), axis=-1)
-        new = _logprob_stats(logp, jnp.maximum(nxt, 0))
-        return tuple(jax.lax.dynamic_update_slice_in_dim(a, x, i * C, axis=0)
-                     for a, x in zip(acc, new))
+        return _logprob_stats(logp, jnp.maximum(nxt, 0))
 
-    init = (jnp.zeros(T, jnp.float32), jnp.zeros(T, jnp.int32), jnp.zeros((T, k), jnp.int32),
-            jnp.zeros((T, k), jnp.float32))
-    return jax.lax.fori_loop(0, -(-num_real // C), chunk, init)
+    def chunk(_, x):
+        i, h, nxt = x
+        return None, jax.lax.cond(i * C < num_real, stats, lambda *_: empty, h, nxt)
+
+    if n == 1:
+        out = stats(hidden[0], next_ids[0])
+    else:
+        _, out = jax.lax.scan(chunk, None, (jnp.arange(n), hidden, next_ids))
+        out = tuple(a.reshape((n * C,) + a.shape[2:])[:T] for a in out)
+    return out
