@@ -227,7 +227,9 @@ def cmd_serve(args) -> int:
     return run_server(engine_config_from_args(args), args.host, args.port, args.served_model_name,
                       args.api_key, args.max_queue_len, args.shutdown_timeout, args.log_interval,
                       args.tool_call_parser if args.enable_auto_tool_choice else None,
-                      args.lora_modules, args.enable_runtime_lora_updating)
+                      args.lora_modules, args.enable_runtime_lora_updating,
+                      max_prompt_tokens=args.max_prompt_tokens,
+                      chat_context_policy=args.chat_context_policy)
 
 
 def cmd_convert(args) -> int:
@@ -298,6 +300,13 @@ def main(argv=None) -> int:
     p.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
                    help="how the model writes tool calls: hermes (<tool_call> JSON: Qwen, "
                         "Hermes, SmolLM3 templates) or llama3_json (Llama 3.x)")
+    p.add_argument("--max-prompt-tokens", type=int, default=None, metavar="N",
+                   help="a chat's prompt budget in tokens: over it, a 400 (or with "
+                        "--chat-context-policy trim, the oldest turns dropped)")
+    p.add_argument("--chat-context-policy", default="reject", choices=["reject", "trim"],
+                   help="a conversation longer than its budget (or than the model's length "
+                        "less max_tokens): refused with a 400, or trimmed oldest turn first, "
+                        "keeping system messages, the latest user turn and the last tool calls")
     p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                    help="LoRA adapters served under these model names (with --enable-lora); "
                         "JSON {\"name\", \"path\", \"base_model_name\"} also works")

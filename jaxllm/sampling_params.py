@@ -14,6 +14,16 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def check_truncation(k, max_model_len: int) -> int:
+    """The tokens truncate_prompt_tokens keeps (-1: the model's length), as vLLM takes it."""
+    if not _is_int(k) or (k < 1 and k != -1):
+        raise ValueError(f"truncate_prompt_tokens must be -1 or at least 1, got {k!r}")
+    if k > max_model_len:
+        raise ValueError(f"truncate_prompt_tokens ({k}) is greater than max_model_len "
+                         f"({max_model_len}): select a smaller truncation size")
+    return max_model_len if k == -1 else k
+
+
 class RequestOutputKind(enum.Enum):
     """Which outputs LLMEngine.step returns for a request (vLLM's names)."""
     CUMULATIVE = 0  # after every step, everything generated so far
@@ -118,6 +128,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None  # only the prompt's last k tokens (-1: max_model_len)
     structured_outputs: StructuredOutputsParams | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     _stop: list[str] = field(default_factory=list, init=False, repr=False)
@@ -162,6 +173,8 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None and (not _is_int(v) or v < 0):
                 raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
+        if self.truncate_prompt_tokens is not None:
+            check_truncation(self.truncate_prompt_tokens, math.inf)
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

@@ -46,6 +46,11 @@ class ServerConfig:
     lora_modules: list = field(default_factory=list)  # LoRARequests served from the start
     # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (JAXLLM_ALLOW_RUNTIME_LORA_UPDATING)
     allow_runtime_lora_updating: bool = False
+    # a chat's prompt budget (--max-prompt-tokens) and what a conversation over its budget or
+    # the model's length gets (--chat-context-policy): "reject" (a 400) or "trim" (the oldest
+    # turns dropped: serve/context_budget.py)
+    max_prompt_tokens: int | None = None
+    chat_context_policy: str = "reject"
 
 
 class OpenAIServer:
@@ -237,6 +242,23 @@ class OpenAIServer:
                            f"({num_prompt_tokens} in the prompt, {max_tokens} for the completion).",
                            param="max_tokens", code="context_length_exceeded")
         return max_tokens
+
+    def chat_budget(self, body, max_tokens: int | None) -> int | None:
+        """The prompt tokens a chat request's conversation is trimmed to, or None when it is
+        not trimmed (a request's context_budget asks for trimming whatever the policy)."""
+        if body.context_budget is None and self.cfg.chat_context_policy != "trim":
+            return None
+        room = self.engine.max_model_len - (1 if max_tokens is None else max_tokens)
+        budget = body.context_budget if body.context_budget is not None else self.cfg.max_prompt_tokens
+        return room if budget is None else min(budget, room)
+
+    def check_prompt_budget(self, num_prompt_tokens: int) -> None:
+        limit = self.cfg.max_prompt_tokens
+        if limit is not None and num_prompt_tokens > limit:
+            raise APIError(400, f"the conversation needs {num_prompt_tokens} prompt tokens and the "
+                           f"server takes at most {limit} (--max-prompt-tokens); set "
+                           "context_budget to have the oldest turns dropped",
+                           param="messages", code="context_length_exceeded")
 
     async def processed(self, body, text: str | None, ids: list[int], max_tokens: int | None,
                         stream: bool) -> EngineRequest:

@@ -9,7 +9,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from jaxllm.engine.async_engine import EngineDeadError
-from serve import beam
+from serve import beam, context_budget
 from serve.errors import APIError, bad_request
 from serve.protocol import ChatCompletionRequest, NamedToolChoice
 from serve.streaming import (DONE, add_usage, collect, event_stream, new_usage, sse, sse_error,
@@ -60,27 +60,39 @@ async def create(server, request: Request):
     body = await server.body(request, ChatCompletionRequest)
     engine = server.ready_engine()
     server.require_tokenizer("messages", "chat (its template)")
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     try:
         tools = _Tools(server, body)
         messages = [m.plain() for m in body.messages]
-        ids = await engine.render_chat(messages, body.add_generation_prompt,
-                                       body.continue_final_message, body.chat_template,
-                                       [t.template_dict() for t in body.tools] if body.tools else None)
+        template_tools = [t.template_dict() for t in body.tools] if body.tools else None
+
+        def render(msgs):
+            return engine.render_chat(msgs, body.add_generation_prompt, body.continue_final_message,
+                                      body.chat_template, template_tools)
+        trimmed = None
+        budget = server.chat_budget(body, max_tokens)
+        if budget is not None:
+            trimmed = await context_budget.trim(messages, render, budget)
+            ids = trimmed.ids
+        else:
+            ids = await render(messages)
+            server.check_prompt_budget(len(ids))
+        ids = body.truncated(ids, engine.max_model_len)
     except ValueError as e:
         raise bad_request(e) from None
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     if body.use_beam_search:
         checked = await beam.check_prompt(server, ids, body, max_tokens)
         server.admit()
-        return await beam.respond(server, request, rid, [checked], body, chat=True)
+        return _report_trim(await beam.respond(server, request, rid, [checked], body, chat=True),
+                            trimmed)
     req = await server.processed(body, None, ids, max_tokens, body.stream)
     server.admit()
     gen = server.run(rid, req, body.priority)
     if body.stream:
-        return event_stream(_stream(server, rid, body, gen, tools))
+        return _report_trim(event_stream(_stream(server, rid, body, gen, tools, trimmed)), trimmed)
     (out,) = await collect(request, [gen])
-    usage = add_usage(new_usage(), *usage_of(out))
+    usage = _trim_usage(add_usage(new_usage(), *usage_of(out)), trimmed)
     k = body.top_logprobs or 0
     choices = []
     for c in out.outputs:
@@ -88,11 +100,29 @@ async def create(server, request: Request):
         choices.append({"index": c.index, "message": message,
                         "logprobs": _logprobs(engine, c.token_ids, c.logprobs, k) if body.logprobs else None,
                         "finish_reason": finish_reason, "stop_reason": c.stop_reason})
-    return JSONResponse({"id": rid, "object": "chat.completion", "created": int(time.time()),
-                         "model": server.model_name(body), "choices": choices, "usage": usage})
+    return _report_trim(JSONResponse({
+        "id": rid, "object": "chat.completion", "created": int(time.time()),
+        "model": server.model_name(body), "choices": choices, "usage": usage}), trimmed)
 
 
-async def _stream(server, rid, body, gen, tools: _Tools):
+TRIM_HEADER = "x-jaxllm-trimmed-messages"
+
+
+def _trim_usage(usage: dict, trimmed: context_budget.Trimmed | None) -> dict:
+    """A budgeted request's usage says what the budget dropped (an extension of OpenAI's)."""
+    if trimmed is not None:
+        usage["trimmed_messages"] = trimmed.dropped_messages
+        usage["trimmed_prompt_tokens"] = trimmed.dropped_tokens
+    return usage
+
+
+def _report_trim(response, trimmed: context_budget.Trimmed | None):
+    if trimmed is not None:
+        response.headers[TRIM_HEADER] = str(trimmed.dropped_messages)
+    return response
+
+
+async def _stream(server, rid, body, gen, tools: _Tools, trimmed):
     engine = server.engine
     created, model = int(time.time()), server.model_name(body)
     include_usage = body.stream_options is not None and body.stream_options.include_usage
@@ -124,8 +154,8 @@ async def _stream(server, rid, body, gen, tools: _Tools):
                               "logprobs": lp, "finish_reason": finish_reason,
                               "stop_reason": c.stop_reason if finished else None}])
         if include_usage and out is not None:
-            yield chunk([], add_usage(new_usage(), len(out.prompt_token_ids), completion_tokens,
-                                      out.num_cached_tokens))
+            yield chunk([], _trim_usage(add_usage(new_usage(), len(out.prompt_token_ids),
+                                                  completion_tokens, out.num_cached_tokens), trimmed))
         yield DONE
     except (ValueError, EngineDeadError) as e:  # the request failed after the stream began
         yield sse_error(e)

@@ -37,9 +37,11 @@ async def create(server, request: Request):
     for p in _prompt_list(body.prompt):
         try:
             text, ids, _ = await engine.tokenize(p)
+            kept = body.truncated(ids, engine.max_model_len)
         except ValueError as e:
             raise bad_request(e) from None
-        prompts.append((text, ids))
+        # a truncated prompt echoes the text of the tokens kept
+        prompts.append((text if len(kept) == len(ids) else None, kept))
     base = f"cmpl-{uuid.uuid4().hex}"
     if body.use_beam_search:
         checked = [await beam.check_prompt(server, ids, body) for _, ids in prompts]

@@ -34,7 +34,8 @@ _FIELDS = {"max_tokens", "n", "best_of", "temperature", "top_p", "top_k", "min_p
            "stop_token_ids", "stop", "presence_penalty", "frequency_penalty", "repetition_penalty",
            "logit_bias", "allowed_token_ids", "bad_words", "prompt_logprobs", "logprobs",
            "min_tokens", "prompt", "cache_salt", "beam_width", "messages", "response_format",
-           "structured_outputs", "tools", "tool_choice", "parallel_tool_calls"}
+           "structured_outputs", "tools", "tool_choice", "parallel_tool_calls",
+           "truncate_prompt_tokens", "context_budget"}
 
 
 def field_of(message: str) -> str | None:

@@ -12,7 +12,7 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from jaxllm.sampling_params import SamplingParams, StructuredOutputsParams
+from jaxllm.sampling_params import SamplingParams, StructuredOutputsParams, check_truncation
 
 MAX_N = 128  # OpenAI's cap on n (and here on best_of): choices of one request
 MAX_TOP_LOGPROBS = 20
@@ -21,7 +21,6 @@ MAX_TOP_LOGPROBS = 20
 NOT_IMPLEMENTED: dict[str, tuple] = {
     "functions": (None, []),          # OpenAI's deprecated names for tools and tool_choice
     "function_call": (None, "none"),
-    "truncate_prompt_tokens": (None,),
     # vLLM's removed spellings of structured_outputs
     "guided_json": (None,),
     "guided_regex": (None,),
@@ -142,8 +141,17 @@ class _Sampling(_Body):
     length_penalty: float = 1.0
     priority: int = 0
     cache_salt: str | None = None
+    # the prompt's last k tokens only (-1: the model's length), as vLLM
+    truncate_prompt_tokens: int | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+
+    def truncated(self, ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt as truncate_prompt_tokens keeps it (ValueError naming the field)."""
+        k = self.truncate_prompt_tokens
+        if k is None:
+            return ids
+        return ids[-check_truncation(k, max_model_len):]
 
     def constraint(self) -> StructuredOutputsParams | None:
         """The request's structured-output constraint (ValueError naming a bad field)."""
@@ -164,6 +172,7 @@ class _Sampling(_Body):
                   include_stop_str_in_output=self.include_stop_str_in_output,
                   logit_bias=self.logit_bias, allowed_token_ids=self.allowed_token_ids,
                   bad_words=self.bad_words, prompt_logprobs=self.prompt_logprobs,
+                  truncate_prompt_tokens=self.truncate_prompt_tokens,
                   structured_outputs=self.constraint())
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
             value = getattr(self, name)
@@ -313,6 +322,9 @@ class ChatCompletionRequest(_Sampling):
     # OpenAI's default: "auto" when tools are given, "none" otherwise
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # an extension: at most this many prompt tokens, the oldest turns dropped to fit
+    # (serve/context_budget.py)
+    context_budget: int | None = Field(None, ge=1)
 
     @property
     def effective_tool_choice(self) -> str | NamedToolChoice:

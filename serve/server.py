@@ -76,7 +76,8 @@ def run_server(engine_config: EngineConfig, host: str, port: int, served_model_n
                api_key: str | None, max_queue_len: int | None, shutdown_timeout: float,
                log_interval: float, tool_call_parser: str | None = None,
                lora_modules: list[str] | None = None,
-               enable_runtime_lora_updating: bool = False) -> int:
+               enable_runtime_lora_updating: bool = False, max_prompt_tokens: int | None = None,
+               chat_context_policy: str = "reject") -> int:
     """enable_runtime_lora_updating: POST /v1/load_lora_adapter and /v1/unload_lora_adapter (also
     JAXLLM_ALLOW_RUNTIME_LORA_UPDATING, as vLLM's variable)."""
     if engine_config.process_id != 0:
@@ -84,6 +85,8 @@ def run_server(engine_config: EngineConfig, host: str, port: int, served_model_n
         from jaxllm.engine.llm_engine import LLMEngine
         LLMEngine(engine_config).follow()
         return 0
+    if max_prompt_tokens is not None and max_prompt_tokens < 1:
+        raise ValueError(f"--max-prompt-tokens must be at least 1, got {max_prompt_tokens}")
     name = served_name(engine_config.model, served_model_name)
     loras = parse_lora_modules(lora_modules, engine_config.enable_lora)
     runtime_lora = enable_runtime_lora_updating or envs.allow_runtime_lora_updating()
@@ -95,7 +98,8 @@ def run_server(engine_config: EngineConfig, host: str, port: int, served_model_n
                        "adapters from this machine's disk (POST /v1/load_lora_adapter)")
     server = OpenAIServer(engine_config, ServerConfig(
         name, api_key or envs.api_key(), max_queue_len, log_interval,
-        tool_call_parser=tool_call_parser, lora_modules=loras, allow_runtime_lora_updating=runtime_lora))
+        tool_call_parser=tool_call_parser, lora_modules=loras, allow_runtime_lora_updating=runtime_lora,
+        max_prompt_tokens=max_prompt_tokens, chat_context_policy=chat_context_policy))
     config = uvicorn.Config(server.app(), host=host, port=port, log_level="info",
                             timeout_graceful_shutdown=shutdown_timeout, lifespan="on")
     logger.info("serving %s on http://%s:%d", name, host, port)

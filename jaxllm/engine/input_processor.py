@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from jaxllm.lora.request import LoRARequest
-from jaxllm.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
+from jaxllm.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams, check_truncation
 
 
 @dataclass
@@ -74,6 +74,8 @@ class InputProcessor:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         text, ids, salt = self.tokenize(prompt)
+        if params.truncate_prompt_tokens is not None:
+            ids = ids[-check_truncation(params.truncate_prompt_tokens, self.max_model_len):]
         self.check(ids, params)
         if self.tokenizer is None and params.stop_strings:
             # stop strings are matched in the detokenized text, which there is none of

@@ -189,6 +189,28 @@ def test_no_recompilation_after_warmup(tiny_llm):
     assert compiles == []
 
 
+def test_truncate_prompt_tokens_keeps_the_last_k(tiny_llm):
+    """As vLLM: the prompt's last k tokens (-1: up to max_model_len), for text and token ids;
+    a prompt over max_model_len runs once truncated."""
+    ids = list(range(100, 400))  # longer than max_model_len (256)
+    greedy = dict(temperature=0.0, max_tokens=4, ignore_eos=True)
+    want = tiny_llm.generate([ids[-20:]], SamplingParams(**greedy), use_tqdm=False)[0]
+    got = tiny_llm.generate([ids], SamplingParams(truncate_prompt_tokens=20, **greedy),
+                            use_tqdm=False)[0]
+    assert got.prompt_token_ids == ids[-20:]
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    text = tiny_llm.generate(["one two three four five six"], SamplingParams(
+        truncate_prompt_tokens=3, **greedy), use_tqdm=False)[0]
+    assert text.prompt_token_ids == tiny_llm.get_tokenizer().encode("one two three four five six")[-3:]
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+            SamplingParams(truncate_prompt_tokens=bad)
+    with pytest.raises(ValueError, match="truncate_prompt_tokens .1000. is greater than max_model_len"):
+        tiny_llm.generate([ids], SamplingParams(truncate_prompt_tokens=1000), use_tqdm=False)
+    with pytest.raises(ValueError, match="max_model_len"):  # -1 keeps 256: no room to generate
+        tiny_llm.generate([ids], SamplingParams(truncate_prompt_tokens=-1), use_tqdm=False)
+
+
 def test_bad_input_is_rejected_and_engine_keeps_serving(tiny_llm):
     engine = tiny_llm.llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

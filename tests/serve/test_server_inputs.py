@@ -91,8 +91,11 @@ BAD_INPUTS = [
         "json": {"type": "object", "propertyNames": {"pattern": "^a"}}}}, 400, "structured_outputs"),
     # known fields not implemented: refused by name, never ignored
     ("functions", CHAT, {"messages": MSG, "functions": [{"name": "f"}]}, 400, "functions"),
-    ("truncate_prompt_tokens", CMPL, {"prompt": "x", "truncate_prompt_tokens": 4}, 400,
+    ("truncate_prompt_tokens 0", CMPL, {"prompt": "x", "truncate_prompt_tokens": 0}, 400,
      "truncate_prompt_tokens"),
+    ("truncate_prompt_tokens past the model's length", CHAT,
+     {"messages": MSG, "truncate_prompt_tokens": 1000}, 400, "truncate_prompt_tokens"),
+    ("context_budget 0", CHAT, {"messages": MSG, "context_budget": 0}, 400, "context_budget"),
     ("guided_json", CMPL, {"prompt": "x", "guided_json": {"type": "object"}}, 400, "guided_json"),
     ("guided_choice", CHAT, {"messages": MSG, "guided_choice": ["a", "b"]}, 400, "guided_choice"),
     ("lora_request", CMPL, {"prompt": "x", "lora_request": {"lora_name": "a"}}, 400, "lora_request"),
