@@ -144,6 +144,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--executable-cache", action=argparse.BooleanOptionalAction, default=None,
                    help="keep compiled step executables in the compilation cache directory "
                         "(default on)")
+    g.add_argument("--max-step-failures", type=int, default=None, metavar="N",
+                   help="a step that raises fails only its requests; N failed steps within "
+                        "--step-failure-window seconds stop the engine (default 5; 1: the first)")
+    g.add_argument("--step-failure-window", type=float, default=None, metavar="SECONDS",
+                   help="the window of --max-step-failures (default 60)")
+    g.add_argument("--inject-step-faults", type=int, default=None, metavar="N",
+                   help="testing: about one step in N fails on purpose, every second such "
+                        "fault losing the KV cache (default 0: never)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

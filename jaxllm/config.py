@@ -130,6 +130,14 @@ class EngineConfig:
     # additionalProperties may carry keys it never names. Off (vLLM's default backend and
     # OpenAI's strict mode): only the keys a schema describes are generated
     structured_outputs_allow_additional_properties: bool = False
+    # a step that raises (a device error, out of memory) fails only the requests it ran; this
+    # many failed steps within step_failure_window seconds stop the engine (1: the first
+    # does; across processes the first always does)
+    max_step_failures: int = 5
+    step_failure_window: float = 60.0
+    # for testing fault handling (jaxllm bench soak): about one step in N raises before it
+    # runs, every second such fault dropping the KV cache as a failed donated call can (0: none)
+    inject_step_faults: int = 0
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -198,6 +206,13 @@ class EngineConfig:
             raise ValueError("speculative_config is not supported with enable_lora yet (proposals "
                              "and their verification would need the request's adapter)")
         _positive("num_scheduler_steps", self.num_scheduler_steps)
+        _positive("max_step_failures", self.max_step_failures)
+        if not (isinstance(self.step_failure_window, (int, float)) and self.step_failure_window > 0):
+            raise ValueError(f"step_failure_window must be a positive number of seconds, got "
+                             f"{self.step_failure_window!r}")
+        if not isinstance(self.inject_step_faults, int) or self.inject_step_faults < 0:
+            raise ValueError(f"inject_step_faults must be a non-negative integer, got "
+                             f"{self.inject_step_faults!r}")
         if self.num_scheduler_steps > 1 and self.speculative_config is not None:
             raise ValueError("num_scheduler_steps > 1 does not combine with speculative_config "
                              "(both make a step emit several tokens; choose one)")

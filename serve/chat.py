@@ -12,8 +12,8 @@ from jaxllm.engine.async_engine import EngineDeadError
 from serve import beam, context_budget
 from serve.errors import APIError, bad_request
 from serve.protocol import ChatCompletionRequest, NamedToolChoice
-from serve.streaming import (DONE, add_usage, collect, event_stream, new_usage, sse, sse_error,
-                             usage_of)
+from serve.streaming import (DONE, RequestFailed, add_usage, collect, event_stream, new_usage, sse,
+                             sse_error, usage_of)
 from serve.tool_parsers import REQUIRED, ToolCall, new_call_id
 
 
@@ -157,7 +157,7 @@ async def _stream(server, rid, body, gen, tools: _Tools, trimmed):
             yield chunk([], _trim_usage(add_usage(new_usage(), len(out.prompt_token_ids),
                                                   completion_tokens, out.num_cached_tokens), trimmed))
         yield DONE
-    except (ValueError, EngineDeadError) as e:  # the request failed after the stream began
+    except (ValueError, EngineDeadError, RequestFailed) as e:  # failed after the stream began
         yield sse_error(e)
     finally:
         await gen.aclose()

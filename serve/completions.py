@@ -12,8 +12,8 @@ from jaxllm.engine.async_engine import EngineDeadError
 from serve import beam
 from serve.errors import APIError, bad_request
 from serve.protocol import CompletionRequest
-from serve.streaming import (DONE, add_usage, collect, event_stream, merge, new_usage, sse,
-                             sse_error, usage_of)
+from serve.streaming import (DONE, RequestFailed, add_usage, collect, event_stream, merge,
+                             new_usage, sse, sse_error, usage_of)
 
 
 def _prompt_list(prompt) -> list:
@@ -116,7 +116,7 @@ async def _stream(server, base, body, items, gens):
         if include_usage:
             yield chunk([], usage)
         yield DONE
-    except (ValueError, EngineDeadError) as e:  # the request failed after the stream began
+    except (ValueError, EngineDeadError, RequestFailed) as e:  # failed after the stream began
         yield sse_error(e)
     finally:
         for g in gens:

@@ -38,6 +38,14 @@ def event_stream(events) -> DisconnectAwareStreamingResponse:
     return DisconnectAwareStreamingResponse(events, media_type="text/event-stream")
 
 
+class RequestFailed(APIError):
+    """The engine failed a step that ran this request (the engine itself goes on)."""
+
+    def __init__(self, message: str):
+        super().__init__(500, f"the request failed: {message}", type="server_error",
+                         code="step_failed")
+
+
 class Outputs:
     """A submitted request's outputs. Finished ones feed the latency metrics; closing it
     before the end aborts the request, even if it was never iterated."""
@@ -53,6 +61,9 @@ class Outputs:
         if out.finished:
             self.finished = True
             self.server.metrics.on_finished(out)
+        for c in out.outputs:
+            if c.finish_reason == "error":  # the whole request ends (its other choices too)
+                raise RequestFailed(c.error or "its step failed")
         return out
 
     async def aclose(self):
@@ -136,6 +147,8 @@ DONE = "data: [DONE]\n\n"
 
 def sse_error(e: Exception) -> str:
     """A failure after the stream began: an error event, then the end."""
+    if isinstance(e, APIError):
+        return sse(error_body(e.message, e.type, e.param, e.code)) + DONE
     return sse(error_body(str(e), param=field_of(str(e)))) + DONE
 
 

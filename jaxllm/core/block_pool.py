@@ -80,6 +80,15 @@ class BlockPool:
         self.block_hash[block] = block_hash
         self.cached.setdefault(block_hash, block)
 
+    def forget(self, blocks) -> None:
+        """Drop blocks from the prefix cache: their contents are not what their hashes say (a
+        failed step was to write them). Holders keep them; nobody finds them again."""
+        for block in blocks:
+            self._evict(block)
+
+    def forget_all(self) -> None:
+        self.forget(range(self.num_blocks))
+
     def num_free_if_touched(self, blocks: list[int]) -> int:
         """Free blocks left after touching `blocks` (cache hits that sit in the free queue)."""
         return len(self._free) - sum(1 for b in blocks if self.ref_cnt[b] == 0)

@@ -33,12 +33,14 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 4, True
     FINISHED_LENGTH = 5, True
     FINISHED_ABORTED = 6, True
+    FINISHED_ERROR = 7, True  # its step failed (Request.error says how)
 
 
 FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -114,6 +116,7 @@ class Request:
         self.spec_token_ids: list[int] = []
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
+        self.error: str | None = None  # why its step failed (FINISHED_ERROR)
 
     @property
     def bad_word_ids(self) -> list[list[int]] | None:

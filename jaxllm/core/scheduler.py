@@ -140,6 +140,37 @@ class Scheduler:
             finished.append(req)
         return finished
 
+    def fail_requests(self, request_ids, error: str) -> list[Request]:
+        """End the live requests among `request_ids` because their step failed: their blocks
+        leave the prefix cache (the step was to write them) and return to the pool."""
+        failed = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None or req.status.finished:
+                continue
+            self.kv.pool.forget(self.kv.get_blocks(rid))
+            req.error = error
+            self._finish(req, RequestStatus.FINISHED_ERROR)
+            failed.append(req)
+        self.kv.end_step()  # the failed step's block copies are moot
+        return failed
+
+    def recompute_running(self) -> None:
+        """The device lost the KV cache: every running request computes its tokens again,
+        and nothing cached before is found any more."""
+        for req in reversed(list(self.running)):  # to the queue's front, in their order
+            self.running.remove(req)
+            self.kv.free(req)
+            req.spec_token_ids = []
+            req.num_preemptions += 1
+            self.num_preemptions += 1
+            req.status = RequestStatus.PREEMPTED
+            req.num_computed_tokens = 0
+            req.num_output_placeholders = 0
+            self._finished_ids.add(req.request_id)  # the runner drops its row
+            self._enqueue(req, front=True)
+        self.kv.pool.forget_all()
+
     def _finish(self, req: Request, status: RequestStatus) -> None:
         """Take the request out of whichever queue holds it, and free it."""
         if req.request_id in self._held:

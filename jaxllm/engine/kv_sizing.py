@@ -131,6 +131,33 @@ def profile_blocks(runner, per_block: int, utilization: float, mesh_size: int = 
     return max(0, budget // (per_block // mesh_size))
 
 
+def headroom_bytes(limit: int, in_use: int, scratch: int, utilization: float,
+                   fraction: float) -> int:
+    """What is left of `utilization` of the device (limit / fraction) once what is held (the
+    weights and the KV cache) and the largest step's scratch are taken: negative, and that
+    step would run out of memory."""
+    return int(min(utilization * limit / fraction, limit)) - in_use - scratch
+
+
+def check_headroom(runner, utilization: float) -> None:
+    """After warm-up, on a device that reports its memory: the largest step fits beside the
+    weights and the cache, or the start fails now, not on the first long batch."""
+    stats = jax.devices()[0].memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    if not limit:
+        return
+    in_use, scratch = stats.get("bytes_in_use", 0), runner.activation_bytes()
+    room = headroom_bytes(limit, in_use, scratch, utilization, allocator_fraction())
+    logger.info("device memory: %.2f GiB held (weights, KV cache), largest step's scratch %.2f "
+                "GiB, headroom %.2f GiB under gpu_memory_utilization %.2f", in_use / 2**30,
+                scratch / 2**30, room / 2**30, utilization)
+    if room < 0:
+        raise ValueError(f"the largest step needs {scratch / 2**30:.2f} GiB of scratch beside "
+                         f"{in_use / 2**30:.2f} GiB held, {-room / 2**30:.2f} GiB more than "
+                         f"gpu_memory_utilization={utilization} allows: lower "
+                         "max_num_batched_tokens, kv_cache_memory_bytes or num_gpu_blocks_override")
+
+
 def log_cache(config, num: int, per_block: int, kv_dtype, arch, activation_dtype) -> None:
     """The blocks, the tokens they hold and the maximum concurrency they imply."""
     tokens = (num - 1) * config.block_size

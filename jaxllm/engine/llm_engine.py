@@ -17,7 +17,9 @@ from jaxllm.config import EngineConfig
 from jaxllm.core.request import Request, RequestStatus
 from jaxllm.core.scheduler_output import SchedulerOutput
 from jaxllm.engine.builder import advise_huge_pages, build_engine, process_seconds, warm_up
+from jaxllm.engine.faults import FaultInjector, InjectedFault, StepFailures, describe
 from jaxllm.engine.input_processor import EngineRequest, InputProcessor
+from jaxllm.engine.kv_sizing import check_headroom
 from jaxllm.engine.output_processor import OutputProcessor
 from jaxllm.engine.outputs import RequestOutput
 from jaxllm.engine.stats import EngineStats
@@ -60,6 +62,8 @@ class LLMEngine:
         self.compile_seconds = 0.0
         if config.warmup:
             self.compile_seconds = warm_up(self.runner, config.compile_in_background)
+            if parts.platform != "cpu":  # the host's memory is checked when the cache is sized
+                check_headroom(self.runner, config.gpu_memory_utilization)
         self._rng = np.random.default_rng(config.seed)
         self.structured = StructuredOutputManager(
             self.tokenizer, self.arch.vocab_size, self.eos_token_id,
@@ -72,6 +76,12 @@ class LLMEngine:
                                         config.max_model_len, self.lora)
         # async scheduling: the step dispatched last, whose tokens the host has not read yet
         self._in_flight: tuple[SchedulerOutput, InFlight | None] | None = None
+        # the steps scheduled and not yet read: their requests fail if a step raises
+        self._open_steps: list[SchedulerOutput] = []
+        self.failures = StepFailures(1 if config.num_processes > 1 else config.max_step_failures,
+                                     config.step_failure_window)
+        self.faults = (FaultInjector(config.inject_step_faults, config.seed)
+                       if config.inject_step_faults else None)
         self.startup_seconds = time.perf_counter() - start
         logger.info("engine ready in %.1f s (load %.1f s, compile %.1f s; %.1f s since the "
                     "process started; model %s, dtype %s, %s, %s scheduling)",
@@ -214,7 +224,45 @@ class LLMEngine:
         """Schedule and dispatch one step; return the outputs of the step that finished.
         With async scheduling the step dispatched here runs on the device while the host
         reads the previous one's tokens and builds its outputs (and, in the next call,
-        schedules the step after); without it, each step is read before the next one."""
+        schedules the step after); without it, each step is read before the next one.
+
+        A step that raises fails the requests of the steps not yet read (finish_reason
+        "error", Request.error saying why) and the engine goes on; max_step_failures within
+        step_failure_window seconds re-raise, which stops it."""
+        try:
+            return self._step()
+        except Exception as e:  # noqa: BLE001 - any failure of a step is contained alike
+            return self._contain(e)
+
+    def _contain(self, error: Exception) -> list[RequestOutput]:
+        """After a step raised: its requests end with the error, their blocks leave the prefix
+        cache; if the device state went with it, a fresh one, and the other running requests
+        compute their tokens again."""
+        stats = self.engine_stats
+        stats.num_failed_steps += 1
+        if self.failures.record():
+            logger.error("%d failed steps within %.0f s: the engine stops",
+                         len(self.failures.times), self.failures.window)
+            raise error
+        ids = {rid for out in self._open_steps for rid in out.num_scheduled_tokens}
+        self._open_steps, self._in_flight = [], None
+        lost = self.runner.device_state_lost()
+        if lost:
+            self.runner.reset_device_state()
+            stats.num_device_state_resets += 1
+        failed = self.scheduler.fail_requests(ids, describe(error))
+        if lost:
+            self.scheduler.recompute_running()
+        stats.num_failed_requests += len(failed)
+        logger.error("a step failed (%s): %d requests end with an error%s", describe(error),
+                     len(failed), "; the device state was lost and is rebuilt, the other "
+                     "requests compute their tokens again" if lost else "",
+                     exc_info=not isinstance(error, InjectedFault))
+        if self.runner.compiler.compiling_in_background:
+            self.runner.compiler.set_serving(self.has_unfinished_requests())
+        return self.outputs.make_outputs(dict.fromkeys(r.parent_id for r in failed))
+
+    def _step(self) -> list[RequestOutput]:
         outputs = []
         compiling = self.runner.compiler.compiling_in_background
         if compiling:
@@ -232,6 +280,9 @@ class LLMEngine:
             self.speculator.propose(self.scheduler.running)
         outputs += self._admit_compiled()
         out = self.scheduler.schedule()
+        self._open_steps.append(out)
+        if self.faults is not None:
+            self.faults.maybe_fail(self.runner)
         if self.runner.drafter is not None:
             self.runner.drafter.enabled = self.speculator.enabled_for(self.scheduler.num_running)
         scheduled_at = time.time()
@@ -262,10 +313,16 @@ class LLMEngine:
     def _finish_step(self, out: SchedulerOutput, flight: InFlight | None) -> list[RequestOutput]:
         """Read a dispatched step's results and turn them into request updates and outputs."""
         res = self.runner.collect(flight)
+        self._open_steps = [s for s in self._open_steps if s is not out]
         now = time.time()
         for rid, (start, entries) in res.prompt_logprobs.items():
             self.outputs.add_prompt_logprobs(rid, start, entries)
         touched = {}
+        if res.non_finite:  # those requests alone end; the step's others go on
+            failed = self.scheduler.fail_requests(
+                res.non_finite, "the model's logits were not numbers (NaN or infinity)")
+            self.engine_stats.num_failed_requests += len(failed)
+            touched.update(dict.fromkeys(r.parent_id for r in failed))
         for upd in self.scheduler.update_from_output(out, res.sampled):
             req = upd.request
             if req.grammar is not None and upd.new_token_ids:

@@ -183,7 +183,8 @@ class OutputProcessor:
             parent.metrics.num_preemptions = max(parent.metrics.num_preemptions, req.num_preemptions)
             outputs.append(CompletionOutput(
                 seq.index, text, token_ids, seq.cumulative_logprob if wants_cum else None, lps,
-                req.finish_reason if done else None, req.stop_reason))
+                req.finish_reason if done else None, req.stop_reason,
+                req.error if done else None))
         plp = parent.prompt_logprobs
         if delta and plp is not None:
             plp, parent.sent_prompt_logprobs = plp[parent.sent_prompt_logprobs:], len(plp)

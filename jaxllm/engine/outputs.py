@@ -24,6 +24,8 @@ class CompletionOutput:
     logprobs: list[PositionLogprobs] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    error: str | None = None  # finish_reason "error": what failed
+
 
     def finished(self) -> bool:
         return self.finish_reason is not None

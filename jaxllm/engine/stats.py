@@ -13,6 +13,9 @@ class EngineStats:
         self.kv_slot_steps = 0            # memory accounting, summed over steps
         self.kv_waste_slot_steps = 0
         self.peak_running = 0
+        self.num_failed_steps = 0         # steps that raised (jaxllm.engine.faults)
+        self.num_failed_requests = 0      # requests those steps ended with "error"
+        self.num_device_state_resets = 0  # failures that took the KV cache with them
 
     @property
     def kv_total_slots(self) -> int:
@@ -60,6 +63,9 @@ class EngineStats:
             "kv_waste_slot_steps": self.kv_waste_slot_steps,
             "peak_running": self.peak_running,
             "kv_total_slots": self.kv_total_slots,
+            "num_failed_steps": self.num_failed_steps,
+            "num_failed_requests": self.num_failed_requests,
+            "num_device_state_resets": self.num_device_state_resets,
             **lora,
             # speculative decoding (vLLM's counters): verifications, proposed and accepted tokens
             "spec_decode_num_drafts": sched.spec_num_drafts,

@@ -184,6 +184,43 @@ class ModelRunner:
                                   self.kv_sharding)
         self.compiler.programs.kv_cache = abstract(self.kv_cache)
 
+    # after a failed step
+    def device_state_lost(self) -> bool:
+        """Whether a failed step took the device state with it: a donated buffer deleted, or
+        an output of a call that failed on the device (reading it raises)."""
+        leaves = jax.tree.leaves((self.kv_cache, self.sampler_state, self.spec_state))
+        if self.drafter is not None:
+            leaves += jax.tree.leaves(self.drafter.kv_cache)
+        try:
+            if any(x.is_deleted() for x in leaves):
+                return True
+            jax.block_until_ready(leaves)
+            return False
+        except Exception:  # noqa: BLE001 - whatever the device raised, the state is gone
+            return True
+
+    def reset_device_state(self) -> None:
+        """A zeroed KV cache and fresh sampler rows, of the same shapes (nothing recompiles);
+        every request's row is dropped: they all enter the batch again, from their tokens."""
+        self.kv_cache = None
+        self.kv_cache = allocate_kv_cache(self.mesh, self.arch, self.num_blocks, self.block_size,
+                                          self.dtype, self.kv_cache_dtype, self.kv_bits)[0]
+        self.sampler_state = jax.jit(lambda: init_state(self.max_num_seqs, self.vocab),
+                                     out_shardings=self.replicated)()
+        if self.num_spec:
+            self.spec_state = jax.jit(
+                lambda: init_spec_state(self.max_num_seqs, self.num_spec, self.vocab,
+                                        self.spec_probabilistic), out_shardings=self.replicated)()
+        if self.drafter is not None:
+            self.drafter.kv_cache = None
+            self.drafter.kv_cache = allocate_kv_cache(
+                self.mesh, self.drafter.arch, self.num_blocks, self.block_size, self.dtype,
+                self.kv_cache_dtype, self.kv_bits)[0]
+            self.drafter.fresh.clear()
+        for rid in list(self.batch.row_of):
+            self.batch.remove(rid)
+        self._pending_rows = []
+
     # per-step state
     def _update_states(self, out: SchedulerOutput) -> None:
         batch = self.batch
@@ -403,6 +440,11 @@ class ModelRunner:
             num = to_host(res.num_tokens)
         final = np.nonzero(st.final)[0]
         rows, nums, toks = st.rows[final], num[final], tokens[final]
+        broken = (toks < 0) & (np.arange(toks.shape[1]) < nums[:, None])  # non-finite logits
+        if broken.any():
+            bad = broken.any(axis=1)
+            result.non_finite = [st.req_ids[i] for i in final[bad].tolist()]
+            final, rows, nums, toks = final[~bad], rows[~bad], nums[~bad], toks[~bad]
         firsts = (st.starts + st.n - st.num_draft)[final]
         # a row given to another request meanwhile (finished, preempted) keeps its tokens;
         # the first emitted token follows the row's known tokens (and accepted proposals)

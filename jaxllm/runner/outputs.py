@@ -28,6 +28,8 @@ class RunnerOutput:
     # requests computing prompt tokens that asked for them: (position of the first entry,
     # entries); the entry of position p scores prompt token p + 1
     prompt_logprobs: dict[str, tuple[int, list[Logprobs]]] = field(default_factory=dict)
+    # requests whose logits were not numbers (NaN or +inf): they sampled nothing
+    non_finite: list[str] = field(default_factory=list)
 
 
 @jax.tree_util.register_dataclass

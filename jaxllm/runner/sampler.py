@@ -229,6 +229,13 @@ def _logprob_stats(logprobs, chosen):
     return lp, rank, top_ids.astype(jnp.int32), top_lp
 
 
+def flag_non_finite(logits, tokens):
+    """-1 for the rows whose chosen logit is NaN or +inf (argmax picks such an entry whenever
+    a row has one): the host fails those requests alone."""
+    chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]
+    return jnp.where(jnp.isnan(chosen) | (chosen == jnp.inf), -1, tokens)
+
+
 def process_logits(logits, md: SamplingMetadata, state: SamplerState):
     """Everything that changes logits before temperature: masks, bias, penalties."""
     S, V = logits.shape

@@ -18,8 +18,8 @@ from jaxllm.layers.attention import AttentionMetadata, max_tiles
 from jaxllm.lora.ops import LoRAInputs
 from jaxllm.runner.outputs import PassesOutput
 from jaxllm.runner.rejection_sampler import VerifyMetadata, no_verify, num_verify_rows, verify
-from jaxllm.runner.sampler import (MAX_BANNED, MAX_LOGPROBS, SamplingMetadata, prompt_logprobs,
-                                   sample, set_rows)
+from jaxllm.runner.sampler import (MAX_BANNED, MAX_LOGPROBS, SamplingMetadata, flag_non_finite,
+                                   prompt_logprobs, sample, set_rows)
 
 ROW_INIT_GROUP = 8  # sampler-state rows rebuilt per call
 
@@ -98,7 +98,7 @@ def build_sample(replicated, num_spec: int = 0, spec_probabilistic: bool = False
                     vmd=None, spec_state=None):
         base, sampler_state = sample(logits, smd, sampler_state, bitmask, use_mask)
         if not num_spec:
-            return base, sampler_state
+            return (flag_non_finite(logits, base[0]), *base[1:]), sampler_state
 
         def with_drafts(sampler_state):
             return verify(raw_v, drafts, base, smd, vmd, sampler_state, spec_state, num_spec,
@@ -154,7 +154,8 @@ def build_decode_passes(graphdef, state_sharding, kv_sharding, replicated, num_p
             smd_j = dataclasses.replace(smd, gen_index=smd.gen_index + j,
                                         is_final=smd.is_final & (j < num))
             out, sampler_state = sample(logits, smd_j, sampler_state)
-            return (kv, sampler_state, jnp.where(real, out[0][seq], 0)), out
+            flagged = (flag_non_finite(logits, out[0]), *out[1:])
+            return (kv, sampler_state, jnp.where(real, out[0][seq], 0)), flagged
 
         (kv_cache, sampler_state, _), outs = jax.lax.scan(
             body, (kv_cache, sampler_state, tok0), jnp.arange(num_passes))

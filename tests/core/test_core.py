@@ -405,3 +405,28 @@ def test_multi_step_goes_on_while_the_waiting_head_cannot_fit():
     assert s.requests.get("a") is None and s.waiting[0].request_id == "big"
     out, _ = run_step(s)  # a's blocks are back: big fits and joins in a single step
     assert out.num_passes == 1 and set(out.num_scheduled_tokens) == {"b", "big"}
+
+
+def test_failed_requests_leave_the_cache_and_lost_state_recomputes_the_rest():
+    s, kv = make(caching=True, budget=32)
+    a, b, c = req("a", 9), req("b", 9), req("c", 9)
+    for r in (a, b, c):
+        s.add_request(r)
+    out, _ = run_step(s)
+    assert set(out.num_scheduled_tokens) == {"a", "b", "c"}
+    a_blocks = kv.get_blocks("a")
+    assert any(kv.pool.block_hash[blk] is not None for blk in a_blocks)
+    failed = s.fail_requests(["a", "nobody"], "boom")
+    assert failed == [a] and a.status == RequestStatus.FINISHED_ERROR and a.finish_reason == "error"
+    assert a.error == "boom" and "a" not in s.requests
+    assert all(kv.pool.block_hash[blk] is None for blk in a_blocks)  # never found again
+    s.recompute_running()  # the device lost the cache
+    assert [r.request_id for r in s.waiting] == ["b", "c"] and not s.running
+    assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
+    assert b.num_preemptions == 1 and kv.num_free_blocks == kv.pool.num_usable_blocks
+    assert not kv.pool.cached
+    out, _ = run_step(s)
+    assert {"b", "c"} <= out.finished_req_ids  # the runner drops their old rows
+    # b's prompt and sampled token again, nothing found in the cache (c, the same prompt,
+    # finds b's blocks of this very step)
+    assert out.num_scheduled_tokens["b"] == 10 and set(out.num_scheduled_tokens) == {"b", "c"}

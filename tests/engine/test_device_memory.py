@@ -74,6 +74,33 @@ def test_profiled_blocks_count_one_devices_share(monkeypatch):
     assert blocks[1] == budget // per_block and blocks[4] == budget // (per_block // 4)
 
 
+def test_the_largest_step_is_checked_against_the_headroom_at_start(monkeypatch, caplog):
+    """After warm-up on a device: the headroom under gpu_memory_utilization is logged, and a
+    largest step that would not fit beside the weights and cache stops the start."""
+    import logging
+
+    held = {"bytes": 60 * GiB}
+
+    class Device:
+        def memory_stats(self):
+            return {"bytes_limit": int(0.9 * 80 * GiB), "bytes_in_use": held["bytes"]}
+
+    class Runner:
+        def activation_bytes(self):
+            return 8 * GiB
+
+    monkeypatch.setattr(kv_sizing.jax, "devices", lambda: [Device()])
+    monkeypatch.setenv(MEM_FRACTION_VARS[0], "0.9")
+    with caplog.at_level(logging.INFO, logger="jaxllm"):
+        kv_sizing.check_headroom(Runner(), 0.9)
+    assert "headroom 4.00 GiB under gpu_memory_utilization 0.90" in caplog.text
+    held["bytes"] = 66 * GiB
+    with pytest.raises(ValueError, match="2.00 GiB more than gpu_memory_utilization=0.9"):
+        kv_sizing.check_headroom(Runner(), 0.9)
+    # a lower share of the device than the allocator's pool is the limit
+    assert kv_sizing.headroom_bytes(72 * GiB, 40 * GiB, 8 * GiB, 0.6, 0.9) == pytest.approx(0, abs=16)
+
+
 def test_a_cpu_cache_is_checked_against_available_memory(monkeypatch):
     """On the CPU the cache must fit the host's available memory (page cache counts: it is
     given back on demand); past it the engine refuses to start, saying why."""

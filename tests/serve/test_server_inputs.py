@@ -282,6 +282,31 @@ def test_engine_that_cannot_start_exits_1_with_the_reason(tmp_path, tiny_llama):
         assert len(lines) == 1 and cases[name][1] in lines[0], (name, text[-2000:])
 
 
+def test_failed_steps_answer_500_until_too_many_stop_the_server(tmp_path, tiny_llama):
+    """Every step fails on purpose: each request's answer is a 500 naming the failure (a
+    stream's an error event), the server keeps answering, and the third failed step stops
+    it with exit status 1."""
+    proc, base, _ = start_server([tiny_llama, "--served-model-name", MODEL, *SERVER_ENGINE,
+                                  "--inject-step-faults", "1", "--max-step-failures", "3"],
+                                 tmp_path / "server.log")
+    try:
+        r = post(base, CMPL, {"model": MODEL, "prompt": "x", "max_tokens": 3})
+        err = assert_error(r, 500, None)
+        assert err["code"] == "step_failed" and "injected step fault" in err["message"]
+        assert httpx.get(base + "/health").status_code == 200  # one failure: still serving
+        with httpx.stream("POST", base + CHAT, json={"model": MODEL, "messages": MSG, "stream": True},
+                          timeout=120) as s:
+            events = [line for line in s.iter_lines() if line.startswith("data: ")]
+        assert json.loads(events[-2][6:])["error"]["code"] == "step_failed"
+        assert events[-1] == "data: [DONE]"
+        r = post(base, CMPL, {"model": MODEL, "prompt": "x", "max_tokens": 3})
+        assert r.status_code in (500, 503), r.text
+        assert proc.wait(timeout=60) == 1
+        assert "3 failed steps within" in (tmp_path / "server.log").read_text()
+    finally:
+        stop(proc)
+
+
 def test_cli_generate_says_why_in_one_line():
     r = subprocess.run([sys.executable, "-m", "jaxllm.cli", "generate", "hi", "--model",
                         "/nonexistent/model"], capture_output=True, text=True, timeout=240)
