@@ -223,9 +223,11 @@ class OpenAIServer:
         """The LoRARequest a request's `model` selects (None: the base model)."""
         return None if name is None else self.loras.get(name)
 
-    def admit(self) -> None:
+    def admit(self, body=None) -> None:
+        """A 429 while the waiting queue is full (counted against the model `body` asks for)."""
         limit = self.cfg.max_queue_len
         if limit is not None and self.engine.num_waiting() >= limit:
+            self.metrics.on_rejected(self.cfg.served_model_name if body is None else self.model_name(body))
             raise APIError(429, f"the waiting queue is full ({limit} requests)",
                            type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
 
@@ -276,7 +278,9 @@ class OpenAIServer:
 
     def run(self, rid: str, request: EngineRequest, priority: int) -> Outputs:
         """Submit now (admission control counts it at once); iterate for the outputs."""
-        return Outputs(self, rid, self.engine.submit(rid, request, priority))
+        lora = request.lora_request
+        return Outputs(self, rid, self.engine.submit(rid, request, priority),
+                       lora.lora_name if lora is not None else self.cfg.served_model_name)
 
     # small endpoints
     async def health(self, request: Request):

@@ -74,6 +74,8 @@ async def create(server, request: Request):
         if budget is not None:
             trimmed = await context_budget.trim(messages, render, budget)
             ids = trimmed.ids
+            if trimmed.dropped_messages:
+                server.metrics.on_trimmed(server.model_name(body), trimmed.dropped_tokens)
         else:
             ids = await render(messages)
             server.check_prompt_budget(len(ids))
@@ -83,11 +85,11 @@ async def create(server, request: Request):
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     if body.use_beam_search:
         checked = await beam.check_prompt(server, ids, body, max_tokens)
-        server.admit()
+        server.admit(body)
         return _report_trim(await beam.respond(server, request, rid, [checked], body, chat=True),
                             trimmed)
     req = await server.processed(body, None, ids, max_tokens, body.stream)
-    server.admit()
+    server.admit(body)
     gen = server.run(rid, req, body.priority)
     if body.stream:
         return _report_trim(event_stream(_stream(server, rid, body, gen, tools, trimmed)), trimmed)

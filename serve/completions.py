@@ -45,7 +45,7 @@ async def create(server, request: Request):
     base = f"cmpl-{uuid.uuid4().hex}"
     if body.use_beam_search:
         checked = [await beam.check_prompt(server, ids, body) for _, ids in prompts]
-        server.admit()
+        server.admit(body)
         return await beam.respond(server, request, base, checked, body, chat=False)
     items = []
     for text, ids in prompts:
@@ -53,7 +53,7 @@ async def create(server, request: Request):
         if text is None:  # echo needs the text of token-id prompts (their ids are checked now)
             text = await engine.decode(ids) if engine.tokenizer is not None else ""
         items.append((req, text))
-    server.admit()
+    server.admit(body)
     gens = [server.run(f"{base}-{i}", req, body.priority) for i, (req, _) in enumerate(items)]
     if body.stream:
         return event_stream(_stream(server, base, body, items, gens))

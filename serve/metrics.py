@@ -27,9 +27,6 @@ class Metrics:
         def counter(name, doc):
             return Counter(f"jaxllm:{name}", doc, labels, registry=r).labels(model_name)
 
-        def histogram(name, doc, buckets):
-            return Histogram(f"jaxllm:{name}", doc, labels, buckets=buckets, registry=r).labels(model_name)
-
         self.running = gauge("num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_usage = gauge("kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent.")
@@ -45,11 +42,43 @@ class Metrics:
         self.max_model_len = gauge("max_model_len", "Longest prompt plus output.")
         self._success = Counter("jaxllm:request_success", "Successfully processed requests.",
                                 ["model_name", "finished_reason"], registry=r)
-        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
-        self.tpot = histogram("time_per_output_token_seconds", "Time per output token.", _TPOT_BUCKETS)
-        self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency.", _LATENCY_BUCKETS)
-        self.queue_time = histogram("request_queue_time_seconds", "Time spent waiting in the queue.",
-                                    _LATENCY_BUCKETS)
+        # per request, labelled with the model it asked for: the base model or a LoRA adapter
+        # (a tenant), so that a latency spike can be traced to one of them
+        self.failed_steps = counter("num_failed_steps", "Steps that raised (their requests failed).")
+        self.failed_requests = counter("num_failed_requests", "Requests failed by a failed step "
+                                       "or by non-finite logits.")
+
+        def per_model(kind, name, doc, **kw):
+            return kind(f"jaxllm:{name}", doc, labels, registry=r, **kw)
+
+        self._request = {
+            "ttft": per_model(Histogram, "time_to_first_token_seconds", "Time to first token.",
+                              buckets=_LATENCY_BUCKETS),
+            "tpot": per_model(Histogram, "time_per_output_token_seconds",
+                              "Mean time per output token of a request.", buckets=_TPOT_BUCKETS),
+            "itl": per_model(Histogram, "inter_token_latency_seconds",
+                             "Time between a stream's successive outputs, per token.",
+                             buckets=_TPOT_BUCKETS),
+            "e2e": per_model(Histogram, "e2e_request_latency_seconds", "End-to-end request latency.",
+                             buckets=_LATENCY_BUCKETS),
+            "queue": per_model(Histogram, "request_queue_time_seconds",
+                               "Time spent waiting in the queue.", buckets=_LATENCY_BUCKETS),
+            "prefill": per_model(Histogram, "request_prefill_time_seconds",
+                                 "Time from first scheduled to first token.", buckets=_LATENCY_BUCKETS),
+            "decode": per_model(Histogram, "request_decode_time_seconds",
+                                "Time from first token to the last.", buckets=_LATENCY_BUCKETS),
+            "cache_queries": per_model(Counter, "request_prefix_cache_queries",
+                                       "Prompt tokens of finished requests."),
+            "cache_hits": per_model(Counter, "request_prefix_cache_hits",
+                                    "Prompt tokens of finished requests found in the prefix cache."),
+            "rejected": per_model(Counter, "request_admission_rejections",
+                                  "Requests refused with a 429 (the waiting queue was full)."),
+            "trimmed": per_model(Counter, "request_prompts_trimmed",
+                                 "Chats whose oldest turns were dropped to fit their budget."),
+            "trimmed_tokens": per_model(Counter, "request_prompt_tokens_trimmed",
+                                        "Prompt tokens those drops saved."),
+        }
+        self._children: dict[tuple[str, str], object] = {}
         self._lora = None  # created when the engine reports adapters (enable_lora)
         self._lora_labels = None
         self._lora_names: set[str] = set()  # adapters that had requests (their gauges go to 0)
@@ -80,7 +109,9 @@ class Metrics:
                                 ("prefix_cache_queries", self.prefix_queries),
                                 ("prefix_cache_hits", self.prefix_hits),
                                 ("prompt_tokens", self.prompt_tokens),
-                                ("generation_tokens", self.generation_tokens)):
+                                ("generation_tokens", self.generation_tokens),
+                                ("num_failed_steps", self.failed_steps),
+                                ("num_failed_requests", self.failed_requests)):
                 delta = s[key] - self._last.get(key, 0)
                 if delta > 0:
                     metric.inc(delta)
@@ -143,21 +174,49 @@ class Metrics:
             for name in self._lora_names:
                 gauge.labels(self.model_name, name).set(counts.get(name, 0))
 
-    def on_finished(self, out) -> None:
-        """Per-request latencies, once a request is done."""
+    def request(self, key: str, model: str):
+        """The `key` metric's series for `model` (the base model's name or an adapter's)."""
+        child = self._children.get((key, model))
+        if child is None:
+            child = self._children[key, model] = self._request[key].labels(model)
+        return child
+
+    def on_finished(self, out, model: str | None = None) -> None:
+        """Per-request latencies and cache hits, once a request is done (`model`: what it
+        asked for; the base model by default)."""
+        model = model or self.model_name
         m = out.metrics
         for c in out.outputs:
             if c.finish_reason is not None and c.finish_reason != "abort":
-                self._success.labels(self.model_name, c.finish_reason).inc()
-        if m.first_token_time is not None:
-            self.ttft.observe(m.first_token_time - m.arrival_time)
-        if m.first_scheduled_time is not None:
-            self.queue_time.observe(m.first_scheduled_time - m.arrival_time)
-        if m.finished_time is not None:
-            self.e2e.observe(m.finished_time - m.arrival_time)
-            n = max(len(c.token_ids) for c in out.outputs)
-            if n > 1 and m.first_token_time is not None:
-                self.tpot.observe((m.finished_time - m.first_token_time) / (n - 1))
+                self._success.labels(model, c.finish_reason).inc()
+        first, scheduled, done = m.first_token_time, m.first_scheduled_time, m.finished_time
+        if first is not None:
+            self.request("ttft", model).observe(first - m.arrival_time)
+        if scheduled is not None:
+            self.request("queue", model).observe(scheduled - m.arrival_time)
+            if first is not None:
+                self.request("prefill", model).observe(first - scheduled)
+        if done is not None:
+            self.request("e2e", model).observe(done - m.arrival_time)
+            if first is not None:
+                self.request("decode", model).observe(done - first)
+            n = max((len(c.token_ids) for c in out.outputs), default=0)
+            if n > 1 and first is not None:
+                self.request("tpot", model).observe((done - first) / (n - 1))
+        self.request("cache_queries", model).inc(len(out.prompt_token_ids))
+        self.request("cache_hits", model).inc(max(out.num_cached_tokens, 0))
+
+    def on_stream_output(self, model: str, seconds: float, num_tokens: int) -> None:
+        """A stream's output arrived `seconds` after its previous one, with `num_tokens`."""
+        if num_tokens > 0:
+            self.request("itl", model).observe(seconds / num_tokens)
+
+    def on_rejected(self, model: str) -> None:
+        self.request("rejected", model).inc()
+
+    def on_trimmed(self, model: str, num_tokens: int) -> None:
+        self.request("trimmed", model).inc()
+        self.request("trimmed_tokens", model).inc(num_tokens)
 
     def log_line(self) -> str | None:
         with self._lock:

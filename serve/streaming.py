@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from typing import AsyncIterator
 
 from starlette.requests import Request
@@ -50,17 +51,26 @@ class Outputs:
     """A submitted request's outputs. Finished ones feed the latency metrics; closing it
     before the end aborts the request, even if it was never iterated."""
 
-    def __init__(self, server, rid: str, outputs):
+    def __init__(self, server, rid: str, outputs, model: str):
+        """model: what the request asked for (the base model or an adapter), its metrics' label."""
         self.server, self.rid, self._it, self.finished = server, rid, outputs, False
+        self.model = model
+        self._last = None  # when the previous output came (a stream's inter-token latency)
 
     def __aiter__(self):
         return self
 
     async def __anext__(self):
         out = await self._it.__anext__()
+        metrics = self.server.metrics
+        now = time.monotonic()
+        if self._last is not None:
+            metrics.on_stream_output(self.model, now - self._last,
+                                     sum(len(c.token_ids) for c in out.outputs))
+        self._last = now
         if out.finished:
             self.finished = True
-            self.server.metrics.on_finished(out)
+            metrics.on_finished(out, self.model)
         for c in out.outputs:
             if c.finish_reason == "error":  # the whole request ends (its other choices too)
                 raise RequestFailed(c.error or "its step failed")

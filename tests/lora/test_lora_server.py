@@ -120,8 +120,16 @@ def test_load_and_unload_while_another_request_streams(server, client, adapters,
     assert {m.id for m in client.models.list().data} == {MODEL, "ad1", "ad2"}
 
 
-def test_lora_metrics(server):
+def test_lora_metrics(server, client):
+    client.completions.create(model="ad1", prompt=PROMPT, max_tokens=3)
     text = httpx.get(server["base"] + "/metrics").text
+    # per-request metrics are per adapter (a tenant) and per base model
+    for name in ("time_to_first_token_seconds_count", "request_queue_time_seconds_count",
+                 "request_prefill_time_seconds_count", "request_decode_time_seconds_count"):
+        count = next(line for line in text.splitlines()
+                     if line.startswith(f'jaxllm:{name}{{model_name="ad1"}}'))
+        assert float(count.rsplit(" ", 1)[1]) >= 1, count
+    assert 'jaxllm:request_success_total{finished_reason="length",model_name="ad1"}' in text
     assert 'jaxllm:lora_requests_info{max_lora="3"' in text
     assert 'jaxllm:lora_num_requests_running{lora_name="ad1",model_name="tiny"} 0.0' in text
 

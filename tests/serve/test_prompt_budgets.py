@@ -93,6 +93,8 @@ def test_a_long_chat_loses_its_oldest_turns(server, client):
     small = client.chat.completions.create(model=MODEL, messages=msgs,
                                            extra_body={"context_budget": 60}, **GREEDY)
     assert small.usage.prompt_tokens <= 60 < got.usage.prompt_tokens
+    text = httpx.get(server + "/metrics").text
+    assert f'jaxllm:request_prompts_trimmed_total{{model_name="{MODEL}"}} 3.0' in text
 
 
 def test_a_trimmed_stream_reports_in_its_usage(server, client):

@@ -308,11 +308,15 @@ def test_queue_full_answers_429(server, client):
     assert 429 in codes and set(codes) <= {200, 429}
     limited = next(r for r in results if r.status_code == 429)
     assert limited.headers.get("retry-after") and limited.json()["error"]["type"] == "rate_limit_error"
+    assert metrics(server)["jaxllm:request_admission_rejections_total"] == codes.count(429)
     wait_idle(server)
     assert client.completions.create(model=MODEL, prompt="calm again", max_tokens=2).choices
 
 
-def test_metrics_exposition(server):
+def test_metrics_exposition(server, client):
+    for _ in client.completions.create(model=MODEL, prompt="a stream", max_tokens=4, stream=True):
+        pass  # its outputs' gaps are inter-token latencies
+    wait_idle(server)
     m = metrics(server)
     for name in ["jaxllm:num_requests_running", "jaxllm:num_requests_waiting",
                  "jaxllm:kv_cache_usage_perc", "jaxllm:prompt_tokens_total",
@@ -320,8 +324,14 @@ def test_metrics_exposition(server):
                  "jaxllm:request_success_total", "jaxllm:prefix_cache_queries_total",
                  "jaxllm:prefix_cache_hits_total", "jaxllm:time_to_first_token_seconds_count",
                  "jaxllm:time_per_output_token_seconds_count", "jaxllm:e2e_request_latency_seconds_count",
-                 "jaxllm:request_queue_time_seconds_count"]:
+                 "jaxllm:request_queue_time_seconds_count",
+                 "jaxllm:request_prefill_time_seconds_count", "jaxllm:request_decode_time_seconds_count",
+                 "jaxllm:inter_token_latency_seconds_count", "jaxllm:request_prefix_cache_queries_total",
+                 "jaxllm:request_prefix_cache_hits_total", "jaxllm:num_failed_steps_total",
+                 "jaxllm:num_failed_requests_total"]:
         assert name in m, name
+    assert m["jaxllm:inter_token_latency_seconds_count"] >= 3
+    assert m["jaxllm:request_prefix_cache_queries_total"] >= m["jaxllm:request_prefix_cache_hits_total"]
     assert m["jaxllm:generation_tokens_total"] > 0 and m["jaxllm:request_success_total"] > 0
     assert m["jaxllm:time_to_first_token_seconds_count"] > 0
     log = server["log"].read_text()

@@ -294,6 +294,12 @@ def test_failed_steps_answer_500_until_too_many_stop_the_server(tmp_path, tiny_l
         err = assert_error(r, 500, None)
         assert err["code"] == "step_failed" and "injected step fault" in err["message"]
         assert httpx.get(base + "/health").status_code == 200  # one failure: still serving
+        deadline = time.time() + 10  # the counters follow the step's end
+        while f'jaxllm:num_failed_steps_total{{model_name="{MODEL}"}} 1.0' not in (
+                text := httpx.get(base + "/metrics").text):
+            assert time.time() < deadline, text
+            time.sleep(0.05)
+        assert f'jaxllm:request_success_total{{finished_reason="error",model_name="{MODEL}"}} 1.0' in text
         with httpx.stream("POST", base + CHAT, json={"model": MODEL, "messages": MSG, "stream": True},
                           timeout=120) as s:
             events = [line for line in s.iter_lines() if line.startswith("data: ")]
