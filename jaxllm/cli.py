@@ -354,6 +354,8 @@ def main(argv=None) -> int:
             ("serve", "serve", "online load against an OpenAI-compatible server", False),
             ("serve-peer", "serve_peer", "jaxllm serve against vLLM's server through vLLM's "
              "bench serve client", False),
+            ("soak", "soak", "minutes of mixed traffic and injected faults against a real "
+             "server: lost requests, leaks, RSS, latency over time", False),
             ("kernels", "kernels", "paged-attention kernels against measured peaks", False),
             ("dots", "dots", "the dtype forms of a projection's dot on this machine", False),
             ("detok", "detok", "the detokenizer's cost per token along a long stream", False),

@@ -370,3 +370,25 @@ def test_vllm_baseline_plumbing(tiny_llama, tmp_path):
     assert r["ratio_vs_vllm"] == pytest.approx(r["jaxllm"]["output_tokens_per_s"] / 6.0)
     assert v["same_tokens"] == 0  # the stand-in answers zeros
     assert main(["bench", "throughput", "--model", tiny_llama, "--baseline", "vllm"]) == 1
+
+
+def test_soak_passes_with_faults_injected(tiny_llama, tmp_path):
+    """A short soak on the tiny model with a step failing about one in 15: every request is
+    answered or refused as it should be, the server comes back to idle and stays up. (The
+    report's timing checks, RSS and TTFT over time, are for real runs: not asserted here.)"""
+    from server_util import SERVER_ENGINE, free_port
+    main(["bench", "soak", "--model", tiny_llama, "--serve-args", " ".join(SERVER_ENGINE),
+            "--minutes", "0.25", "--concurrency", "4", "--fault-every", "15", "--max-tokens", "8",
+            "--replay-turns", "6", "--replay-budget", "120", "--sample-seconds", "2",
+            "--port", str(free_port()), "--results-dir", str(tmp_path), "--tag", "soak"])
+    r = read_json(tmp_path / "soak.json")
+    for check in ("no request lost or hung", "no unexpected answer", "the server is still up",
+                  "back to idle: no request, no KV block held", "every replayed turn answered"):
+        assert r["checks"][check], (check, r["by_outcome"])
+    by = r["by_outcome"]
+    assert by.get("ok", 0) > 0 and by.get("refused", 0) > 0 and set(by) <= {
+        "ok", "refused", "step_failed", "cancelled", "disconnected"}
+    assert r["idle_after"]["jaxllm:num_failed_steps_total"] >= 1  # faults really happened
+    assert r["replay"]["answered"] == 6 and r["replay"]["turns_trimmed"] >= 1
+    assert r["replay"]["max_prompt_tokens"] <= 120
+    assert os.path.exists(tmp_path / "soak.png")
