@@ -14,6 +14,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import gc  # noqa: E402
+import itertools  # noqa: E402
 import json  # noqa: E402
 
 import pytest  # noqa: E402
@@ -24,6 +25,17 @@ from jaxllm.loader.loader import default_model_path, get_tokenizer  # noqa: E402
 # step shapes is most of an engine's start, and the suite starts many engines. The tests of
 # the default shape set itself (background compilation, bucket choice) use SMALL_LIMITS.
 SMALL_LIMITS = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256)
+
+
+def covering(*axes) -> list[tuple]:
+    """Parameters for a kernel test over several axes: on the CPU (Pallas' interpreter, seconds
+    per case) every value of every axis at least once, the i-th values together and shorter
+    axes cycled; under the GPU suite (JAXLLM_GPU_TESTS=1), where a case takes milliseconds,
+    every combination."""
+    if os.environ.get("JAXLLM_GPU_TESTS") == "1":
+        return list(itertools.product(*axes))
+    n = max(len(a) for a in axes)
+    return [tuple(a[i % len(a)] for a in axes) for i in range(n)]
 
 
 def few_shapes(max_num_seqs: int, max_num_batched_tokens: int) -> dict:

@@ -308,7 +308,12 @@ def test_serve_poisson_and_prefix_chat(bench_server, tmp_path):
     assert down["failed_requests"] == 2 and down["successful_requests"] == 0 and down["errors"]
 
 
-def test_kernels_small_grid(tmp_path):
+def test_kernels_small_grid(tmp_path, monkeypatch):
+    from benchmarks import kernels
+    # the sweep's code path with two of its tile variants each (each compiles in the
+    # interpreter for seconds; the GPU runs them all)
+    monkeypatch.setattr(kernels, "DECODE_VARIANTS", kernels.DECODE_VARIANTS[::6])
+    monkeypatch.setattr(kernels, "PREFILL_VARIANTS", kernels.PREFILL_VARIANTS[::3])
     run_cli("bench", "kernels", "--grid", "small", "--iters", "1", "--heads", "8", "--kv-heads", "2",
             "--head-dim", "64", "--dtype", "float32", "--results-dir", str(tmp_path), "--tag", "k",
             "--sweep")
@@ -320,10 +325,10 @@ def test_kernels_small_grid(tmp_path):
         assert "gb_s" in row["jax_paged_attention"] or "error" in row["jax_paged_attention"]
     for row in r["prefill"]:
         assert row["jaxllm_pallas"]["tflop_s"] > 0 and 0 < row["jaxllm_pallas"]["frac_of_matmul"]
-    from benchmarks.kernels import DECODE_VARIANTS, PREFILL_VARIANTS
     sweep = r["sweep"]
-    assert [(v["keys"], v["num_warps"], v["k_splits"]) for v in sweep["decode"]] == DECODE_VARIANTS
-    assert [(v["keys"], v["num_warps"]) for v in sweep["prefill"]] == PREFILL_VARIANTS
+    assert [(v["keys"], v["num_warps"], v["k_splits"]) for v in sweep["decode"]] == kernels.DECODE_VARIANTS
+    assert [(v["keys"], v["num_warps"]) for v in sweep["prefill"]] == kernels.PREFILL_VARIANTS
+    assert len(kernels.DECODE_VARIANTS) == 2 and len(kernels.PREFILL_VARIANTS) == 2
     assert all(v["gb_s"] > 0 for v in sweep["decode"]) and all(v["tflop_s"] > 0 for v in sweep["prefill"])
 
 

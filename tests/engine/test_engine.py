@@ -34,13 +34,14 @@ def hf_greedy(model_path: str, prompt_ids: list[list[int]], max_new: int) -> lis
     model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs).eval()
     # as ignore_eos: EOS neither stops generation nor is suppressed
     model.generation_config.eos_token_id = None
-    outs = []
+    # one batch, padded on the left (the positions follow the attention mask)
+    width = max(len(p) for p in prompt_ids)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompt_ids])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids])
     with torch.no_grad():
-        for ids in prompt_ids:
-            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                 do_sample=False, max_new_tokens=max_new, pad_token_id=0)
-            outs.append(out[0, len(ids):].tolist())
-    return outs
+        out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new,
+                             pad_token_id=0)
+    return out[:, width:].tolist()
 
 
 def token_ids(outputs):

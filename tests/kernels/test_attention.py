@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from attention_cases import make_case
+from conftest import covering
 from jaxllm.layers.attention import paged_attention_xla
 from pallas_kernels.paged_attention_ref import ragged_paged_attention_ref
 
@@ -36,8 +37,7 @@ def _check(q, cache, layer, md, window=None, soft_cap=None, reference_cache=None
                                    atol=2e-5, err_msg=f"use_kernel={use_kernel}")
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-@pytest.mark.parametrize("kv_heads", [1, 2, 8])
+@pytest.mark.parametrize("name,kv_heads", covering(sorted(CASES), [1, 2, 8]))
 def test_xla_matches_reference(name, kv_heads):
     q, cache, layer, md = make_case(CASES[name], kv_heads=kv_heads, seed=len(name) + kv_heads)
     _check(q, cache, layer, md)
@@ -131,11 +131,13 @@ def _write_quantized(cache, kv_dtype, bits=False):
     return qcache
 
 
-@pytest.mark.parametrize("kv_dtype", ["int8", "fp8", "fp8-bytes"])
-@pytest.mark.parametrize("heads,kv_heads,head_dim,window,soft_cap",
-                         [(9, 3, 64, None, None), (16, 1, 32, None, None), (4, 2, 96, 50, None),
-                          (6, 3, 80, None, 5.0), (8, 2, 128, 8, None)])
-def test_quantized_cache_head_shapes(kv_dtype, heads, kv_heads, head_dim, window, soft_cap):
+@pytest.mark.parametrize("kv_dtype,shape", covering(
+    ["int8", "fp8", "fp8-bytes"],
+    # heads, kv_heads, head_dim, window, soft_cap
+    [(9, 3, 64, None, None), (16, 1, 32, None, None), (4, 2, 96, 50, None),
+     (6, 3, 80, None, 5.0), (8, 2, 128, 8, None)]))
+def test_quantized_cache_head_shapes(kv_dtype, shape):
+    heads, kv_heads, head_dim, window, soft_cap = shape
     """The CPU kernels read int8 / fp8 codes and their scales in place, in both passes, at the
     kernel's head shapes (the vector paths, and the scalar loop for 16 heads a group and head
     dim 80), with a sliding window and a soft cap: XLA's path and the kernels both equal the
@@ -182,7 +184,7 @@ def test_bf16_cache_kept_as_bits():
                                   np.asarray(attend(q, rounded, layer, md, scale))[:real])
 
 
-def test_cpu_engine_stores_a_bf16_cache_as_bits(tiny_llama, default_llm, caplog):
+def test_cpu_engine_stores_a_bf16_cache_as_bits(tiny_llama, caplog):
     """kv_cache_dtype="bfloat16" on a CPU: a uint16 cache of bf16 bits, twice the tokens of an
     f32 cache (the log says so); the tokens stay close to the f32 cache's. "auto" is the same
     for a float checkpoint under the CPU's bf16 policy (as vLLM's auto: the weights' dtype),
@@ -199,7 +201,8 @@ def test_cpu_engine_stores_a_bf16_cache_as_bits(tiny_llama, default_llm, caplog)
     auto = LLM(tiny_llama, kv_cache_memory_bytes=1 << 22, warmup=False, **SMALL_ENGINE)
     assert auto.llm_engine.runner.kv_cache.dtype == jnp.uint16
     assert auto.llm_engine.kv_manager.pool.num_blocks == half.llm_engine.kv_manager.pool.num_blocks
-    assert default_llm.llm_engine.runner.kv_cache.dtype == jnp.float32
+    default = LLM(warmup=False, **SMALL_ENGINE)  # quantized weights
+    assert default.llm_engine.runner.kv_cache.dtype == jnp.float32
     full = LLM(tiny_llama, dtype="float32", kv_cache_memory_bytes=1 << 22, **SMALL_ENGINE)
     assert full.llm_engine.runner.kv_cache.dtype == jnp.float32
     assert half.llm_engine.kv_manager.pool.num_blocks >= 2 * full.llm_engine.kv_manager.pool.num_blocks - 1

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from attention_cases import make_case
+from conftest import covering
 from pallas_kernels.paged_attention_ref import ragged_paged_attention_ref
 from pallas_kernels.ragged_paged_attention import paged_decode, flat_pages, q_tile, ragged_paged_attention
 
@@ -44,9 +45,9 @@ def check(seqs, heads, kv_heads, head_dim=64, dtype=jnp.float32, T=None, S=None,
     np.testing.assert_allclose(got[:real], want[:real], **TOL[dtype])
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (8, 2), (16, 2)])  # GQA 1, 3, 4, 8
-def test_kernels_match_reference(name, heads, kv_heads):
+@pytest.mark.parametrize("name,heads", covering(sorted(CASES), [(4, 4), (6, 2), (8, 2), (16, 2)]))
+def test_kernels_match_reference(name, heads):  # heads: (query, KV) heads, GQA 1, 3, 4, 8
+    heads, kv_heads = heads
     check(CASES[name], heads, kv_heads, seed=len(name) + heads)
 
 

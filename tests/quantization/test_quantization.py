@@ -142,13 +142,14 @@ def test_cpu_kernels_match_the_xla_path(case):
         smooth = jnp.asarray(RNG.uniform(0.5, 2.0, (3, K)).astype(np.float32)) if "smooth" in case else None
         parts = [jnp.asarray(a) if a is not None else None for a in (h.q, h.scale, h.offset)]
         pol = uniform_policy(jnp.float32)
+        # one jitted function of each path: a shape compiles once, for both layers
+        xla_mm, cpu_matmul = jax.jit(lambda x, w: matmul_xla(x, w, pol)), jax.jit(cpu_mm.matmul)
         for M in (1, 3, 4, 5, 8, 9, 17) + ((64,) if N % 16 == 0 else ()):
             x = jnp.asarray(RNG.standard_normal((M, K)).astype(np.float32))
             x = x.at[0, 32:64].set(0.0)  # a block of zeros
             for layer in (0, 2):
-                ref = np.asarray(jax.jit(lambda x, w: matmul_xla(x, w, pol))(
-                    x, QWeight(*parts, smooth, jnp.int32(layer), act, "xla")))
-                got = np.asarray(jax.jit(cpu_mm.matmul)(x, QWeight(*parts, smooth, jnp.int32(layer), act, "cpu")))
+                ref = np.asarray(xla_mm(x, QWeight(*parts, smooth, jnp.int32(layer), act, "xla")))
+                got = np.asarray(cpu_matmul(x, QWeight(*parts, smooth, jnp.int32(layer), act, "cpu")))
                 if act == "int8":
                     # XLA:CPU divides through a reciprocal (not IEEE), so an activation on a
                     # rounding edge can take the neighbouring code there: the kernel must equal
