@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import time
 
+import jax
 import numpy as np
 
 
@@ -51,6 +52,7 @@ class FaultInjector:
             return
         self.num_injected += 1
         if self.num_injected % 2 == 0:
-            runner.kv_cache.delete()
+            for x in jax.tree.leaves(runner.kv_cache):  # (a quantized cache is a tree)
+                x.delete()
             raise InjectedFault("injected step fault (the KV cache was lost)")
         raise InjectedFault("injected step fault")

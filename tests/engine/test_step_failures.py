@@ -6,6 +6,7 @@ stop the engine."""
 import os
 import shutil
 
+import jax
 import numpy as np
 import pytest
 
@@ -26,7 +27,7 @@ class FailAt:
         self.n += 1
         if self.n in self.steps:
             if self.lose_state:
-                for x in __import__("jax").tree.leaves(runner.kv_cache):
+                for x in jax.tree.leaves(runner.kv_cache):
                     x.delete()
             raise RuntimeError("RESOURCE_EXHAUSTED: out of memory while trying to allocate (test)")
 
