@@ -152,8 +152,9 @@ def test_a_second_engine_start_compiles_nothing(tiny_llama, tmp_path, monkeypatc
         lowered.append(1)
         return real(self, *a, **k)
     monkeypatch.setattr(jax.stages.Traced, "lower", counting)
-    args = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128,
-                compilation_cache_dir=str(tmp_path))
+    # one step shape: each start compiles (or reads) as little as an engine can
+    args = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, token_buckets=[32],
+                seq_buckets=[4], compilation_cache_dir=str(tmp_path))
     p = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
     first = LLM(tiny_llama, **args)
@@ -167,7 +168,7 @@ def test_a_second_engine_start_compiles_nothing(tiny_llama, tmp_path, monkeypatc
     assert not lowered and second.llm_engine.runner.compiler.num_compiled > 0
     assert [o.outputs[0].token_ids for o in second.generate(prompts, p, use_tqdm=False)] == want
     del second
-    other = LLM(tiny_llama, **dict(args, max_num_seqs=2))
+    other = LLM(tiny_llama, **dict(args, max_num_seqs=2, seq_buckets=[2]))
     assert lowered and entries(tmp_path / "executables") > n
     assert [o.outputs[0].token_ids for o in other.generate(prompts, p, use_tqdm=False)] == want
 

@@ -330,8 +330,8 @@ def test_dead_engine_health_500_and_fatal_callback(tiny_llama):
     from serve.app import OpenAIServer, ServerConfig
 
     fatal = []
-    srv = OpenAIServer(EngineConfig(model=tiny_llama, max_num_seqs=8, max_num_batched_tokens=64,
-                                    max_model_len=256),
+    from conftest import SMALL_ENGINE
+    srv = OpenAIServer(EngineConfig(model=tiny_llama, **SMALL_ENGINE),
                        ServerConfig(MODEL), on_fatal=lambda: fatal.append(True))
     with TestClient(srv.app()) as client:
         deadline = time.time() + 240
