@@ -83,6 +83,33 @@ def default_gguf() -> str:
 
 
 @pytest.fixture(scope="session")
+def default_hf_dir(tmp_path_factory, default_gguf) -> str:
+    """The default model as HF transformers reads its GGUF file, saved as an HF float32
+    directory once per run and shared by the test workers: transformers' GGUF reader takes
+    tens of seconds, the saved copy loads in one."""
+    import torch
+    from filelock import FileLock
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the directory the workers share
+    d = root / "default-model-hf"
+    with FileLock(str(d) + ".lock"):
+        if not (d / "config.json").exists():
+            model = AutoModelForCausalLM.from_pretrained(
+                os.path.dirname(default_gguf), gguf_file=os.path.basename(default_gguf),
+                dtype=torch.float32)
+            # its weights are dequantized already; transformers will not save a model it
+            # loaded from GGUF, so the weights and config are written as a plain checkpoint
+            d.mkdir()
+            save_model(model, str(d / "model.safetensors"))
+            del model.config.quantization_config
+            model.config.save_pretrained(d)
+    return str(d)
+
+
+@pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory, default_gguf):
     """The default model's tokenizer saved as HF files, for tiny checkpoints to share."""
     d = tmp_path_factory.mktemp("tokenizer")

@@ -49,11 +49,11 @@ def token_ids(outputs):
 
 
 @pytest.mark.slow
-def test_default_model_greedy_parity_with_hf(default_llm, default_gguf):
+def test_default_model_greedy_parity_with_hf(default_llm, default_hf_dir):
     outs = default_llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     prompt_ids = [o.prompt_token_ids for o in outs]
     assert len({len(p) for p in prompt_ids}) >= 6  # the prompts really differ in length
-    ref = hf_greedy(default_gguf, prompt_ids, 32)
+    ref = hf_greedy(default_hf_dir, prompt_ids, 32)
     for prompt, got, want in zip(PROMPTS, token_ids(outs), ref):
         assert got == want, f"{prompt!r}: {got} != {want}"
     # the text is the detokenized ids

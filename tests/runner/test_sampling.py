@@ -349,13 +349,11 @@ def test_logprobs_and_prompt_logprobs_match_hf(tiny_llm, tiny_llama):
 
 
 @pytest.mark.slow
-def test_default_model_logprobs_match_hf(default_llm, default_gguf):
-    import os
+def test_default_model_logprobs_match_hf(default_llm, default_hf_dir):
     import torch
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(default_gguf), dtype=torch.float32,
-                                              gguf_file=os.path.basename(default_gguf)).eval()
+    hf = AutoModelForCausalLM.from_pretrained(default_hf_dir, dtype=torch.float32).eval()
     p = SamplingParams(temperature=0.0, max_tokens=8, logprobs=4, prompt_logprobs=2)
     out = default_llm.generate("The quick brown fox jumps over", p, use_tqdm=False)[0]
     prompt, toks = out.prompt_token_ids, out.outputs[0].token_ids
