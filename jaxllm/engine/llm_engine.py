@@ -78,6 +78,7 @@ class LLMEngine:
         self._in_flight: tuple[SchedulerOutput, InFlight | None] | None = None
         # the steps scheduled and not yet read: their requests fail if a step raises
         self._open_steps: list[SchedulerOutput] = []
+        self._step_outputs: list[RequestOutput] = []  # made by the step running now
         self.failures = StepFailures(1 if config.num_processes > 1 else config.max_step_failures,
                                      config.step_failure_window)
         self.faults = (FaultInjector(config.inject_step_faults, config.seed)
@@ -246,6 +247,8 @@ class LLMEngine:
             raise error
         ids = {rid for out in self._open_steps for rid in out.num_scheduled_tokens}
         self._open_steps, self._in_flight = [], None
+        # what the failed call had made already (a step read before the failure) still goes out
+        made, self._step_outputs = self._step_outputs, []
         lost = self.runner.device_state_lost()
         if lost:
             self.runner.reset_device_state()
@@ -260,10 +263,10 @@ class LLMEngine:
                      exc_info=not isinstance(error, InjectedFault))
         if self.runner.compiler.compiling_in_background:
             self.runner.compiler.set_serving(self.has_unfinished_requests())
-        return self.outputs.make_outputs(dict.fromkeys(r.parent_id for r in failed))
+        return made + self.outputs.make_outputs(dict.fromkeys(r.parent_id for r in failed))
 
     def _step(self) -> list[RequestOutput]:
-        outputs = []
+        outputs = self._step_outputs = []
         compiling = self.runner.compiler.compiling_in_background
         if compiling:
             self.runner.compiler.set_serving(True)

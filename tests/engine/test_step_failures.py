@@ -150,3 +150,29 @@ def test_nan_logits_fail_their_request_alone(nan_model):
     # block, least recently used first), and nothing of them shows
     again = run(eng, [prompts[0], prompts[2]] * 9)
     assert [again[str(i)].outputs[0].token_ids for i in range(18)] == [want["0"], want["2"]] * 9
+
+
+def test_outputs_made_before_a_failure_in_the_same_call_still_go_out(llm, tiny_llm, monkeypatch):
+    """A call to step() reads one step, finishing a request, then fails later on: the
+    finished request's output is returned all the same (its stream would otherwise wait
+    forever); only the steps not yet read fail."""
+    eng = llm.llm_engine
+    made, real = [], eng.outputs.make_outputs
+
+    def recording(*a, **k):
+        outs = real(*a, **k)
+        made.extend(o for o in outs if o.finished)
+        return outs
+
+    def failing_once():
+        if made and not failed:
+            failed.append(True)
+            raise RuntimeError("a failure after the read (test)")
+
+    failed = []
+    monkeypatch.setattr(eng.outputs, "make_outputs", recording)
+    monkeypatch.setattr(eng.engine_stats, "account_step", failing_once)
+    done = run(eng, [PROMPTS[0]])
+    assert failed and done["0"].outputs[0].finish_reason == "length"
+    assert done["0"].outputs[0].token_ids == alone(tiny_llm, PROMPTS[0])
+    assert_idle(eng)
