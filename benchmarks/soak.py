@@ -306,7 +306,9 @@ def summarize(outcomes: list[dict], samples: list[dict], idle: dict, replay: dic
         "P99 TTFT of the last window within 1.2x the first's": last["p99"] <= 1.2 * first["p99"],
         "every replayed turn answered": replay["answered"] == replay["turns"],
     }
-    return {"requests": len(outcomes), "by_outcome": by, "minutes": minutes,
+    unexpected = [{k: o.get(k) for k in ("kind", "status", "error")}
+                  for o in outcomes if o["outcome"] == "unexpected"][:50]
+    return {"requests": len(outcomes), "by_outcome": by, "minutes": minutes, "unexpected": unexpected,
             "ttft_s": percentiles([o["ttft"] for o in ttft]), "ttft_first_window_s": first,
             "ttft_last_window_s": last, "window_s": window, "rss_start_bytes": rss0,
             "rss_end_bytes": rss1, "rss_growth": rss1 / rss0 - 1 if rss0 else None,

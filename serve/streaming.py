@@ -107,7 +107,8 @@ async def collect(request: Request, gens: list[AsyncIterator]) -> list:
     if watcher in done:
         for t in tasks:
             t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        with contextlib.suppress(asyncio.CancelledError):  # (retrieved: no "never retrieved" log)
+            await gathered
         raise APIError(499, "client disconnected")
     watcher.cancel()
     try:
