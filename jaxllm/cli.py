@@ -237,7 +237,8 @@ def cmd_serve(args) -> int:
                       args.tool_call_parser if args.enable_auto_tool_choice else None,
                       args.lora_modules, args.enable_runtime_lora_updating,
                       max_prompt_tokens=args.max_prompt_tokens,
-                      chat_context_policy=args.chat_context_policy)
+                      chat_context_policy=args.chat_context_policy,
+                      chat_trim_step=args.chat_trim_step)
 
 
 def cmd_convert(args) -> int:
@@ -315,6 +316,11 @@ def main(argv=None) -> int:
                    help="a conversation longer than its budget (or than the model's length "
                         "less max_tokens): refused with a 400, or trimmed oldest turn first, "
                         "keeping system messages, the latest user turn and the last tool calls")
+    p.add_argument("--chat-trim-step", type=float, default=0.25, metavar="FRACTION",
+                   help="where a trimmed chat may be cut: about this fraction of its budget "
+                        "between allowed cuts, fixed by the turns before them, so the cut stays "
+                        "put while a chat grows and its prefix stays cached; 0 drops the fewest "
+                        "turns but moves the cut at every turn")
     p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                    help="LoRA adapters served under these model names (with --enable-lora); "
                         "JSON {\"name\", \"path\", \"base_model_name\"} also works")

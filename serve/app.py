@@ -51,6 +51,9 @@ class ServerConfig:
     # turns dropped: serve/context_budget.py)
     max_prompt_tokens: int | None = None
     chat_context_policy: str = "reject"
+    # where a trimmed conversation may be cut (--chat-trim-step): a fraction of the budget
+    # between allowed cuts, so the cut stays put as a chat grows and its prefix stays cached
+    chat_trim_step: float = 0.25
 
 
 class OpenAIServer:

@@ -6,14 +6,27 @@ and the last assistant message that called tools together with its tool results.
 dropped a turn at a time (a user message and the replies and tool results that follow it, up
 to the next user message), so what remains still alternates as chat templates require and no
 tool result loses its call. The choice depends only on the messages and the budget: the same
-history is trimmed the same way every time, and prefix caching keeps working on it.
+history is trimmed the same way every time.
+
+Where the cut may fall is fixed by the history before it: the turns are walked from the start,
+and a cut is allowed where their running size crosses a multiple of `step` times the budget
+(sizes estimated from characters, about four to a token plus a few tokens per message for the
+template). The cut then stays put while a conversation grows, turn after turn, until the
+budget forces it to the next allowed place, so that the trimmed history of one turn is a
+prefix of the next one's and the prefix cache serves it. `step=0` allows a cut after every
+turn: the fewest turns dropped, but each new turn moves the cut.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
 from serve.errors import APIError
+
+# These only space the allowed cuts; what fits is measured by rendering.
+CHARS_PER_TOKEN = 4
+TOKENS_PER_MESSAGE = 4  # the template's own tokens around each message
 
 
 @dataclass
@@ -24,14 +37,9 @@ class Trimmed:
     dropped_tokens: int         # prompt tokens saved by the dropping
 
 
-def turns(messages: list[dict]) -> tuple[list[list[int]], set[int]]:
-    """The droppable turns (message indices, oldest first) and the indices always kept."""
-    kept = {i for i, m in enumerate(messages) if m["role"] == "system"}
-    users = [i for i, m in enumerate(messages) if m["role"] == "user"]
-    if users:
-        kept.update(range(users[-1], len(messages)))
-    else:
-        kept.update(range(len(messages)))
+def _groups(messages: list[dict]) -> list[list[int]]:
+    """The turns, oldest first: message indices from one user message to the next (system
+    messages belong to none)."""
     groups: list[list[int]] = []
     for i, m in enumerate(messages):
         if m["role"] == "system":
@@ -39,40 +47,85 @@ def turns(messages: list[dict]) -> tuple[list[list[int]], set[int]]:
         if m["role"] == "user" or not groups:
             groups.append([])
         groups[-1].append(i)
+    return groups
+
+
+def _kept(messages: list[dict], groups: list[list[int]]) -> set[int]:
+    kept = {i for i, m in enumerate(messages) if m["role"] == "system"}
+    users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+    kept.update(range(users[-1] if users else 0, len(messages)))
     # the last assistant message that called tools: its turn (with its results) stays whole
     callers = [i for i, m in enumerate(messages) if m["role"] == "assistant" and m.get("tool_calls")]
     if callers:
         kept.update(next(g for g in groups if callers[-1] in g))
+    return kept
+
+
+def turns(messages: list[dict]) -> tuple[list[list[int]], set[int]]:
+    """The droppable turns (message indices, oldest first) and the indices always kept."""
+    groups = _groups(messages)
+    kept = _kept(messages, groups)
     return [g for g in groups if not kept.intersection(g)], kept
 
 
+def _size(m: dict) -> int:
+    content = m.get("content")
+    if isinstance(content, list):
+        content = " ".join(p.get("text", "") for p in content if isinstance(p, dict))
+    n = len(content or "") + TOKENS_PER_MESSAGE * CHARS_PER_TOKEN
+    if m.get("tool_calls"):
+        n += len(json.dumps(m["tool_calls"], sort_keys=True, default=str))
+    return n
+
+
+def cuts(messages: list[dict], budget: int, step: float) -> list[int]:
+    """The allowed cuts, ascending: cut k drops the droppable turns among the first k turns.
+    Each depends only on the turns before it, so appending turns never moves one."""
+    groups = _groups(messages)
+    if step <= 0:
+        return list(range(1, len(groups) + 1))
+    width = max(1, int(step * budget * CHARS_PER_TOKEN))
+    allowed, total = [], 0
+    for k, g in enumerate(groups, start=1):
+        before = total // width
+        total += sum(_size(messages[i]) for i in g)
+        if total // width > before:
+            allowed.append(k)
+    if not allowed or allowed[-1] != len(groups):
+        allowed.append(len(groups))  # dropping every droppable turn is always allowed
+    return allowed
+
+
 async def trim(messages: list[dict], render: Callable[[list[dict]], Awaitable[list[int]]],
-               budget: int) -> Trimmed:
-    """The longest suffix of droppable turns that fits `budget` prompt tokens (fewest turns
-    dropped, by bisection: rendering is the cost); a 400 naming the sizes when even the
+               budget: int, step: float = 0.0) -> Trimmed:
+    """The first allowed cut (see `cuts`) whose kept conversation fits `budget` prompt tokens,
+    found by bisection since rendering is the cost; a 400 naming the sizes when even the
     messages always kept do not fit."""
     ids = await render(messages)
     if len(ids) <= budget:
         return Trimmed(messages, ids, 0, 0)
-    groups, _ = turns(messages)
+    groups = _groups(messages)
+    kept = _kept(messages, groups)
 
     def without(k: int) -> list[dict]:
-        dropped = {i for g in groups[:k] for i in g}
+        dropped = {i for g in groups[:k] if not kept.intersection(g) for i in g}
         return [m for i, m in enumerate(messages) if i not in dropped]
 
+    allowed = cuts(messages, budget, step)
     floor = await render(without(len(groups)))
     if len(floor) > budget:
         raise APIError(400, f"the conversation needs {len(ids)} prompt tokens and its budget is "
                        f"{budget}; the messages that are always kept (system messages, the latest "
                        f"user turn and the last tool calls with their results) need {len(floor)}",
                        param="messages", code="context_length_exceeded")
-    lo, hi, best = 1, len(groups), floor  # dropping hi turns fits; dropping lo - 1 does not
+    # allowed[hi] fits; every cut before allowed[lo] does not
+    lo, hi, best = 0, len(allowed) - 1, floor
     while lo < hi:
         mid = (lo + hi) // 2
-        got = await render(without(mid))
+        got = await render(without(allowed[mid]))
         if len(got) <= budget:
             hi, best = mid, got
         else:
             lo = mid + 1
-    kept = without(hi)
-    return Trimmed(kept, best, len(messages) - len(kept), len(ids) - len(best))
+    out = without(allowed[hi])
+    return Trimmed(out, best, len(messages) - len(out), len(ids) - len(best))

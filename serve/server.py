@@ -77,7 +77,7 @@ def run_server(engine_config: EngineConfig, host: str, port: int, served_model_n
                log_interval: float, tool_call_parser: str | None = None,
                lora_modules: list[str] | None = None,
                enable_runtime_lora_updating: bool = False, max_prompt_tokens: int | None = None,
-               chat_context_policy: str = "reject") -> int:
+               chat_context_policy: str = "reject", chat_trim_step: float = 0.25) -> int:
     """enable_runtime_lora_updating: POST /v1/load_lora_adapter and /v1/unload_lora_adapter (also
     JAXLLM_ALLOW_RUNTIME_LORA_UPDATING, as vLLM's variable)."""
     if engine_config.process_id != 0:
@@ -87,6 +87,8 @@ def run_server(engine_config: EngineConfig, host: str, port: int, served_model_n
         return 0
     if max_prompt_tokens is not None and max_prompt_tokens < 1:
         raise ValueError(f"--max-prompt-tokens must be at least 1, got {max_prompt_tokens}")
+    if not 0 <= chat_trim_step <= 1:
+        raise ValueError(f"--chat-trim-step must be between 0 and 1, got {chat_trim_step}")
     name = served_name(engine_config.model, served_model_name)
     loras = parse_lora_modules(lora_modules, engine_config.enable_lora)
     runtime_lora = enable_runtime_lora_updating or envs.allow_runtime_lora_updating()
@@ -99,7 +101,8 @@ def run_server(engine_config: EngineConfig, host: str, port: int, served_model_n
     server = OpenAIServer(engine_config, ServerConfig(
         name, api_key or envs.api_key(), max_queue_len, log_interval,
         tool_call_parser=tool_call_parser, lora_modules=loras, allow_runtime_lora_updating=runtime_lora,
-        max_prompt_tokens=max_prompt_tokens, chat_context_policy=chat_context_policy))
+        max_prompt_tokens=max_prompt_tokens, chat_context_policy=chat_context_policy,
+        chat_trim_step=chat_trim_step))
     config = uvicorn.Config(server.app(), host=host, port=port, log_level="info",
                             timeout_graceful_shutdown=shutdown_timeout, lifespan="on")
     logger.info("serving %s on http://%s:%d", name, host, port)

@@ -1,12 +1,13 @@
 """A chat's token budget (serve/context_budget.py): over random conversations, what is kept is
 a valid conversation within the budget, system messages and the latest user turn always stay,
-the fewest turns are dropped, and the same history is always trimmed the same way."""
+the cut is the first allowed one that fits, the same history is always trimmed the same way,
+and a growing conversation keeps its cut until the budget moves it."""
 import asyncio
 
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from serve.context_budget import trim, turns
+from serve.context_budget import cuts, trim, turns
 from serve.errors import APIError
 
 
@@ -18,8 +19,8 @@ def render(messages):
     return go()
 
 
-def run_trim(messages, budget):
-    return asyncio.run(trim(messages, render, budget))
+def run_trim(messages, budget, step=0.0):
+    return asyncio.run(trim(messages, render, budget, step))
 
 
 words = st.integers(1, 30).map(lambda n: " ".join(["w"] * n))
@@ -62,17 +63,20 @@ def always_kept(messages) -> list[int]:
     return sorted(kept)
 
 
+steps = st.sampled_from([0.0, 0.1, 0.25, 0.5])
+
+
 @settings(max_examples=300, deadline=None)
-@given(conversations(), st.floats(0.05, 1.2))
-def test_trimmed_conversations_keep_the_rules(messages, fraction):
+@given(conversations(), st.floats(0.05, 1.2), steps)
+def test_trimmed_conversations_keep_the_rules(messages, fraction, step):
     budget = max(1, int(count(messages) * fraction))
     floor = count([messages[i] for i in always_kept(messages)])
     if floor > budget:
         with pytest.raises(APIError) as e:
-            run_trim(messages, budget)
+            run_trim(messages, budget, step)
         assert e.value.status == 400 and f"{budget}" in e.value.message and f"{floor}" in e.value.message
         return
-    out = run_trim(messages, budget)
+    out = run_trim(messages, budget, step)
     kept = out.messages
     assert len(out.ids) == count(kept) <= budget
     assert out.dropped_messages == len(messages) - len(kept)
@@ -96,15 +100,72 @@ def test_trimmed_conversations_keep_the_rules(messages, fraction):
             called |= {c["id"] for c in m.get("tool_calls") or ()}
         if m["role"] == "tool":
             assert m["tool_call_id"] in called
-    # the fewest turns dropped: keeping the newest dropped turn as well would not fit
     groups, _ = turns(messages)
     dropped_turns = [g for g in groups if not set(g) & set(pos)]
     assert dropped_turns == groups[:len(dropped_turns)]  # oldest first
     if dropped_turns:
-        back = sorted(set(pos) | set(dropped_turns[-1]))
-        assert count([messages[i] for i in back]) > budget
+        # the first allowed cut that fits: every allowed cut before it keeps too much
+        allowed = cuts(messages, budget, step)
+        chosen = min(k for k in allowed if dropped_by(messages, k) == dropped_turns)
+        for k in allowed:
+            if k < chosen:
+                assert count(without(messages, dropped_by(messages, k))) > budget
+        if step == 0:  # the fewest turns: keeping the newest dropped turn as well would not fit
+            back = sorted(set(pos) | set(dropped_turns[-1]))
+            assert count([messages[i] for i in back]) > budget
     # deterministic
-    assert run_trim(messages, budget).messages == kept
+    assert run_trim(messages, budget, step).messages == kept
+
+
+def dropped_by(messages, k):
+    """The droppable turns among the first k turns (system messages are in none)."""
+    groups, kept = turns(messages)
+    every = []
+    for i, m in enumerate(messages):
+        if m["role"] != "system":
+            if m["role"] == "user" or not every:
+                every.append([])
+            every[-1].append(i)
+    return [g for g in every[:k] if g in groups]
+
+
+def without(messages, dropped):
+    gone = {i for g in dropped for i in g}
+    return [m for i, m in enumerate(messages) if i not in gone]
+
+
+@settings(max_examples=200, deadline=None)
+@given(conversations(), st.lists(st.tuples(words, words), min_size=1, max_size=6),
+       st.floats(0.2, 0.9), st.sampled_from([0.1, 0.25, 0.5]))
+def test_a_growing_conversation_keeps_its_cut(messages, more, fraction, step):
+    """Turns appended one at a time under a fixed budget: the allowed cuts before the last
+    resort (dropping every droppable turn) never move, and a cut that is still allowed and
+    still fits is kept, so each turn's trimmed history is a prefix of the next one's."""
+    if messages[-1]["role"] != "assistant" or messages[-1].get("tool_calls"):
+        messages = messages + [{"role": "assistant", "content": "ok"}]
+    budget = max(1, int(count(messages) * fraction))
+    before = None  # (allowed cuts, the chosen cut) at the previous turn
+    for question, answer in more:
+        messages = messages + [{"role": "user", "content": question}]
+        allowed = cuts(messages, budget, step)
+        if before is not None:
+            assert before[0][:-1] == allowed[:len(before[0]) - 1]
+        try:
+            out = run_trim(messages, budget, step)
+        except APIError:
+            return
+        groups, _ = turns(messages)
+        dropped = [g for g in groups if not any(messages[g[0]] is m for m in out.messages)]
+        chosen = 0 if not dropped else min(k for k in allowed if dropped_by(messages, k) == dropped)
+        if before is not None and before[1] in allowed:
+            old = without(messages, dropped_by(messages, before[1]))
+            if count(old) <= budget:
+                assert chosen == before[1]
+                assert out.messages == old
+            else:
+                assert chosen > before[1]
+        before = (allowed, chosen)
+        messages = messages + [{"role": "assistant", "content": answer}]
 
 
 def test_a_conversation_that_fits_is_untouched():

@@ -121,3 +121,25 @@ def test_what_must_be_kept_and_does_not_fit_is_a_400(server, client):
                                                              **GREEDY)
     assert short.headers["x-jaxllm-trimmed-messages"] == "0"
     assert short.parse().usage.model_dump()["trimmed_messages"] == 0
+
+
+def test_a_growing_chat_keeps_its_cut_and_its_cache(server, client):
+    """A chat replayed turn by turn past its budget: the cut stays put for several turns at a
+    time (--chat-trim-step), and while it does each turn's prompt is served from the cache up
+    to the previous turn's."""
+    msgs = [{"role": "system", "content": "You answer in one word."}]
+    seen = []  # (messages dropped, prompt tokens, cached tokens) per turn
+    for i in range(24):
+        msgs.append({"role": "user", "content": f"Q{i}: the sea?"})
+        raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=msgs, **GREEDY)
+        got = raw.parse()
+        seen.append((int(raw.headers["x-jaxllm-trimmed-messages"]), got.usage.prompt_tokens,
+                     got.usage.prompt_tokens_details.cached_tokens))
+        assert got.usage.prompt_tokens <= BUDGET
+        msgs.append({"role": "assistant", "content": f"A{i}: waves."})
+    trimmed = [s for s in seen if s[0]]
+    assert trimmed and max(s[0] for s in trimmed) > min(s[0] for s in trimmed)  # it moved
+    block = 16
+    kept_with_cache = [b for a, b in zip(seen, seen[1:])
+                       if a[0] and b[0] == a[0] and b[2] >= a[1] - block]
+    assert len(kept_with_cache) >= 3, seen
