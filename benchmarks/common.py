@@ -6,7 +6,9 @@ import json
 import os
 import platform
 import shlex
+import subprocess
 import sys
+import time
 
 import numpy as np
 
@@ -64,3 +66,26 @@ def memory_line(m: dict) -> str:
     return (f"KV cache: {m['kv_waste_perc']:.2f}% of allocated slots unused over the run; peak "
             f"{m['peak_running_seqs']} sequences at once, where static max-length preallocation "
             f"({m['max_model_len']} tokens each) admits {m['static_prealloc_seqs']}")
+
+
+def start_server(model: str | None, serve_args: str, port: int, log, extra=()) -> tuple[subprocess.Popen, str]:
+    """`jaxllm serve [MODEL] --port PORT SERVE_ARGS EXTRA` on loopback, its output to `log`,
+    waited on until /health/ready says 200. Returns (process, base URL)."""
+    import httpx
+    cmd = [sys.executable, "-m", "jaxllm.cli", "serve", *([model] if model else []),
+           "--port", str(port), *shlex.split(serve_args), *extra]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 900
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode} before it was ready")
+        try:
+            if httpx.get(base + "/health/ready", timeout=2).status_code == 200:
+                return proc, base
+        except httpx.TransportError:
+            pass
+        if time.time() > deadline:
+            proc.kill()
+            raise RuntimeError("the server was not ready in 15 minutes")
+        time.sleep(0.5)

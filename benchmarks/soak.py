@@ -18,13 +18,12 @@ import asyncio
 import json
 import os
 import random
-import shlex
 import subprocess
-import sys
 import time
 
 import numpy as np
 
+from benchmarks import common
 from benchmarks.common import percentiles, write_result
 
 WORDS = ("the sea river mountain light stone cloud green quiet storm morning garden city road "
@@ -258,28 +257,12 @@ def wait_idle(base: str, timeout: float = 120) -> dict:
 
 
 def start_server(args, log) -> tuple[subprocess.Popen, str]:
-    import httpx
-    cmd = [sys.executable, "-m", "jaxllm.cli", "serve", *([args.model] if args.model else []),
-           "--port", str(args.port), *shlex.split(args.serve_args)]
+    extra = []
     if args.fault_every:
-        cmd += ["--inject-step-faults", str(args.fault_every), "--max-step-failures", "50"]
+        extra += ["--inject-step-faults", str(args.fault_every), "--max-step-failures", "50"]
     if args.lora:
-        cmd += ["--enable-lora", "--lora-modules", args.lora]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{args.port}"
-    deadline = time.time() + 900
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode} before it was ready")
-        try:
-            if httpx.get(base + "/health/ready", timeout=2).status_code == 200:
-                return proc, base
-        except httpx.TransportError:
-            pass
-        if time.time() > deadline:
-            proc.kill()
-            raise RuntimeError("the server was not ready in 15 minutes")
-        time.sleep(0.5)
+        extra += ["--enable-lora", "--lora-modules", args.lora]
+    return common.start_server(args.model, args.serve_args, args.port, log, extra)
 
 
 def summarize(outcomes: list[dict], samples: list[dict], idle: dict, replay: dict,

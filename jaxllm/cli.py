@@ -238,7 +238,8 @@ def cmd_serve(args) -> int:
                       args.lora_modules, args.enable_runtime_lora_updating,
                       max_prompt_tokens=args.max_prompt_tokens,
                       chat_context_policy=args.chat_context_policy,
-                      chat_trim_step=args.chat_trim_step)
+                      chat_trim_step=args.chat_trim_step,
+                      web_ui=not args.disable_web_ui)
 
 
 def cmd_convert(args) -> int:
@@ -316,6 +317,8 @@ def main(argv=None) -> int:
                    help="a conversation longer than its budget (or than the model's length "
                         "less max_tokens): refused with a 400, or trimmed oldest turn first, "
                         "keeping system messages, the latest user turn and the last tool calls")
+    p.add_argument("--disable-web-ui", action="store_true",
+                   help="serve no chat page at / and no dashboard at /dashboard")
     p.add_argument("--chat-trim-step", type=float, default=0.25, metavar="FRACTION",
                    help="where a trimmed chat may be cut: about this fraction of its budget "
                         "between allowed cuts, fixed by the turns before them, so the cut stays "
@@ -362,6 +365,8 @@ def main(argv=None) -> int:
              "bench serve client", False),
             ("soak", "soak", "minutes of mixed traffic and injected faults against a real "
              "server: lost requests, leaks, RSS, latency over time", False),
+            ("web", "web_ui", "the chat page and dashboard in headless Chromium: page weight, "
+             "the TTFT the page adds, API throughput with the dashboard open", False),
             ("kernels", "kernels", "paged-attention kernels against measured peaks", False),
             ("dots", "dots", "the dtype forms of a projection's dot on this machine", False),
             ("detok", "detok", "the detokenizer's cost per token along a long stream", False),

@@ -11,13 +11,15 @@ import logging
 import time
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
 
 import jaxllm
 from jaxllm.config import EngineConfig
@@ -25,6 +27,7 @@ from jaxllm.engine.async_engine import AsyncEngine, EngineDeadError
 from jaxllm.engine.input_processor import EngineRequest
 from jaxllm.sampling_params import RequestOutputKind
 from serve.errors import APIError, bad_request, check_json, error_response
+from serve.dashboard import DashboardFeed
 from serve.metrics import Metrics
 from serve.protocol import REFUSED
 from serve.openapi import openapi_document
@@ -32,6 +35,12 @@ from serve.streaming import Outputs
 from serve.tool_parsers import get_parser
 
 logger = logging.getLogger("jaxllm")
+
+WEB_DIR = Path(__file__).parent / "web"
+# the pages load only their own files and talk only to this server; model output is text
+PAGE_HEADERS = {"Content-Security-Policy": "default-src 'self'; img-src 'self' data:; "
+                "object-src 'none'; base-uri 'none'; frame-ancestors 'none'",
+                "X-Content-Type-Options": "nosniff", "Cache-Control": "no-cache"}
 
 
 @dataclass
@@ -54,6 +63,8 @@ class ServerConfig:
     # where a trimmed conversation may be cut (--chat-trim-step): a fraction of the budget
     # between allowed cuts, so the cut stays put as a chat grows and its prefix stays cached
     chat_trim_step: float = 0.25
+    # the chat page at / and the live dashboard at /dashboard (--disable-web-ui turns them off)
+    web_ui: bool = True
 
 
 class OpenAIServer:
@@ -78,6 +89,9 @@ class OpenAIServer:
         self._loop = None
         self._log_task = None
         self._warned_fields: set[str] = set()
+        self.dashboard = (DashboardFeed(self.metrics.registry, self._dashboard_info)
+                          if server_config.web_ui else None)
+        self._dashboard_task = None
 
     # lifecycle
     @contextlib.asynccontextmanager
@@ -85,10 +99,14 @@ class OpenAIServer:
         self._loop = asyncio.get_running_loop()
         self.engine.start()
         self._log_task = asyncio.create_task(self._periodic_log())
+        if self.dashboard is not None:
+            self._dashboard_task = asyncio.create_task(self.dashboard.run())
         try:
             yield
         finally:
             self._log_task.cancel()
+            if self._dashboard_task is not None:
+                self._dashboard_task.cancel()
             self.engine.shutdown()
 
     def _engine_failed(self, error: BaseException) -> None:
@@ -123,6 +141,13 @@ class OpenAIServer:
             Route("/version", self._wrap(self.version), methods=["GET"]),
             Route("/openapi.json", self._wrap(self.openapi), methods=["GET"]),
         ]
+        if self.cfg.web_ui:
+            routes += [
+                Route("/", self._page("chat.html"), methods=["GET"]),
+                Route("/dashboard", self._page("dashboard.html"), methods=["GET"]),
+                Route("/dashboard/data", self._wrap(self.dashboard_data), methods=["GET"]),
+                Mount("/web", StaticFiles(directory=WEB_DIR), name="web"),
+            ]
         return Starlette(routes=routes, lifespan=self.lifespan,
                          exception_handlers={404: self._not_found, 405: self._not_allowed})
 
@@ -302,6 +327,30 @@ class OpenAIServer:
 
     async def openapi(self, request: Request):
         return JSONResponse(openapi_document())
+
+    # the web pages (static files: serve/web) and the dashboard's data
+    def _page(self, name: str):
+        async def page(request: Request):
+            return FileResponse(WEB_DIR / name, headers=PAGE_HEADERS)
+        return page
+
+    def _dashboard_info(self) -> dict:
+        stats = self.metrics.last_stats() or {}
+        return {"model": self.cfg.served_model_name, "adapters": sorted(self.loras),
+                "ready": self.engine.is_ready,
+                "max_model_len": self.engine.max_model_len if self.engine.is_ready else None,
+                "kv_total_slots": stats.get("kv_total_slots"),
+                "max_lora": stats.get("max_lora"),
+                "speculative": self.metrics.speculative}
+
+    async def dashboard_data(self, request: Request):
+        since = request.query_params.get("since")
+        try:
+            since = None if since is None else float(since)
+        except ValueError:
+            raise APIError(400, f"since must be a number (seconds since the epoch), got {since!r}",
+                           param="since") from None
+        return JSONResponse(self.dashboard.data(since), headers={"Cache-Control": "no-store"})
 
     async def prometheus(self, request: Request):
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -174,6 +174,15 @@ class Metrics:
             for name in self._lora_names:
                 gauge.labels(self.model_name, name).set(counts.get(name, 0))
 
+    @property
+    def speculative(self) -> bool:
+        """Speculative decoding's counters exist (the engine drafts)."""
+        return self._spec is not None
+
+    def last_stats(self) -> dict | None:
+        """The engine's counters after its last step (None before the first)."""
+        return self._stats
+
     def request(self, key: str, model: str):
         """The `key` metric's series for `model` (the base model's name or an adapter's)."""
         child = self._children.get((key, model))

@@ -77,7 +77,8 @@ def run_server(engine_config: EngineConfig, host: str, port: int, served_model_n
                log_interval: float, tool_call_parser: str | None = None,
                lora_modules: list[str] | None = None,
                enable_runtime_lora_updating: bool = False, max_prompt_tokens: int | None = None,
-               chat_context_policy: str = "reject", chat_trim_step: float = 0.25) -> int:
+               chat_context_policy: str = "reject", chat_trim_step: float = 0.25,
+               web_ui: bool = True) -> int:
     """enable_runtime_lora_updating: POST /v1/load_lora_adapter and /v1/unload_lora_adapter (also
     JAXLLM_ALLOW_RUNTIME_LORA_UPDATING, as vLLM's variable)."""
     if engine_config.process_id != 0:
@@ -102,10 +103,12 @@ def run_server(engine_config: EngineConfig, host: str, port: int, served_model_n
         name, api_key or envs.api_key(), max_queue_len, log_interval,
         tool_call_parser=tool_call_parser, lora_modules=loras, allow_runtime_lora_updating=runtime_lora,
         max_prompt_tokens=max_prompt_tokens, chat_context_policy=chat_context_policy,
-        chat_trim_step=chat_trim_step))
+        chat_trim_step=chat_trim_step, web_ui=web_ui))
     config = uvicorn.Config(server.app(), host=host, port=port, log_level="info",
                             timeout_graceful_shutdown=shutdown_timeout, lifespan="on")
     logger.info("serving %s on http://%s:%d", name, host, port)
+    if web_ui:
+        logger.info("chat page: http://%s:%d/  dashboard: http://%s:%d/dashboard", host, port, host, port)
     # uvicorn stops accepting on SIGTERM/SIGINT, lets in-flight requests finish (bounded by
     # timeout_graceful_shutdown), then runs the lifespan shutdown that stops the engine
     uv = _Server(config)

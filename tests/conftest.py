@@ -49,6 +49,11 @@ FEW_SHAPES = few_shapes(SMALL_LIMITS["max_num_seqs"], SMALL_LIMITS["max_num_batc
 SMALL_ENGINE = {**SMALL_LIMITS, **FEW_SHAPES}
 
 
+def pytest_addoption(parser):
+    parser.addoption("--web-screenshots", default=None, metavar="DIR",
+                     help="also write the web UI tests' screenshots (chat.png, dashboard.png) to DIR")
+
+
 def pytest_collection_modifyitems(items):
     """Modules run in the order of their file names, whatever folder holds them (a stable
     sort: a module's tests stay together and in order). The modules that build the most
