@@ -1,0 +1,166 @@
+"""Which replica serves a request. Plain Python, no JAX.
+
+`prefix` (the default) sends a request where its prompt's longest prefix is likely cached:
+the router keys the prompt's full blocks as the prefix cache does (core.kv_cache_manager's
+block_key, chained, with the cache salt and adapter in the first key) and remembers, per
+replica, the keys of the prompts it sent there, least recently used first out, at most as
+many as the replica's KV cache holds. Its picture is approximate (a replica may have evicted
+a block since), which is the price of not asking the replicas at every request.
+
+Load comes first when it is uneven: a replica whose load (requests in flight, as the router
+counts them, and its KV-cache usage) is well above the least loaded one's gets no new
+request, however much of the prompt it holds, so that one hot prefix cannot swamp its
+replica; the others then start caching it too. Among replicas within the balance, the
+longest cached prefix wins; ties go to the least loaded, and prompts cached nowhere to the
+least loaded and then to the replica remembering the fewest blocks, which spreads new
+conversations (and so the caches) over the replicas.
+
+`round_robin` and `least_loaded` ignore the caches.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from jaxllm.core.kv_cache_manager import block_key
+
+POLICIES = ("prefix", "round_robin", "least_loaded")
+
+
+@dataclass
+class Decision:
+    replica: int
+    reason: str               # "prefix", "balance", "least_loaded", "round_robin"
+    cached_blocks: int        # blocks of the prompt the router believes the replica holds
+    prompt_blocks: int
+
+
+@dataclass
+class _Replica:
+    alive: bool = True
+    in_flight: int = 0
+    kv_usage: float = 0.0
+    capacity: int = 0                                  # blocks remembered, at most
+    keys: OrderedDict = field(default_factory=OrderedDict)  # block key -> None, LRU first
+    routed: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0    # as the replica reported them when its requests finished
+
+
+class Router:
+    def __init__(self, num_replicas: int, block_size: int, capacity_blocks: int,
+                 policy: str = "prefix", balance_abs: int = 4, balance_rel: float = 1.5,
+                 kv_high: float = 0.9):
+        """capacity_blocks: each replica's KV-cache blocks (what the router remembers per
+        replica). A replica is out of balance when its in-flight count exceeds the least
+        loaded one's by more than `balance_abs` and by more than `balance_rel` times, or when
+        its KV cache is above `kv_high` while another's is not."""
+        if policy not in POLICIES:
+            raise ValueError(f"routing policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+        if num_replicas < 1:
+            raise ValueError(f"num_replicas must be at least 1, got {num_replicas}")
+        self.policy, self.block_size = policy, block_size
+        self.balance_abs, self.balance_rel, self.kv_high = balance_abs, balance_rel, kv_high
+        self.replicas = [_Replica(capacity=capacity_blocks) for _ in range(num_replicas)]
+        self._next = 0
+
+    # the picture of the replicas
+    def keys(self, token_ids: list[int], extra=None) -> list:
+        """The prompt's full blocks as the prefix cache keys them."""
+        out, bs = [], self.block_size
+        for i in range(len(token_ids) // bs):
+            out.append(block_key(out[-1] if out else None, tuple(token_ids[i * bs:(i + 1) * bs]),
+                                 extra if i == 0 else None))
+        return out
+
+    def cached_blocks(self, replica: int, keys: list) -> int:
+        held = self.replicas[replica].keys
+        n = 0
+        for k in keys:
+            if k not in held:
+                break
+            n += 1
+        return n
+
+    def set_kv_usage(self, replica: int, usage: float) -> None:
+        self.replicas[replica].kv_usage = usage
+
+    def set_alive(self, replica: int, alive: bool) -> None:
+        """A replica that died forgets everything (its restart has an empty cache)."""
+        r = self.replicas[replica]
+        if not alive:
+            r.keys.clear()
+            r.in_flight = 0
+        r.alive = alive
+
+    # routing
+    def route(self, token_ids: list[int], extra=None) -> Decision:
+        live = [i for i, r in enumerate(self.replicas) if r.alive]
+        if not live:
+            raise RuntimeError("no replica is alive")
+        keys = self.keys(token_ids, extra)
+        if self.policy == "round_robin":
+            n = len(self.replicas)
+            i = next(j % n for j in range(self._next, self._next + n) if self.replicas[j % n].alive)
+            self._next = i + 1
+            decision = Decision(i, "round_robin", self.cached_blocks(i, keys), len(keys))
+        elif self.policy == "least_loaded":
+            i = min(live, key=self._load)
+            decision = Decision(i, "least_loaded", self.cached_blocks(i, keys), len(keys))
+        else:
+            decision = self._by_prefix(live, keys)
+        self._routed(decision.replica, keys, len(token_ids))
+        return decision
+
+    def _load(self, i: int) -> tuple:
+        r = self.replicas[i]
+        return (r.kv_usage > self.kv_high, r.in_flight, r.kv_usage, i)
+
+    def _balanced(self, live: list[int]) -> list[int]:
+        """The replicas not out of balance against the least loaded one."""
+        least = min(self.replicas[i].in_flight for i in live)
+        roomy = [i for i in live if self.replicas[i].kv_usage <= self.kv_high]
+        out = []
+        for i in live:
+            r = self.replicas[i]
+            if r.in_flight - least > self.balance_abs and r.in_flight > self.balance_rel * max(least, 1):
+                continue
+            if r.kv_usage > self.kv_high and roomy:
+                continue
+            out.append(i)
+        return out or [min(live, key=self._load)]
+
+    def _by_prefix(self, live: list[int], keys: list) -> Decision:
+        within = self._balanced(live)
+        cached = {i: self.cached_blocks(i, keys) for i in live}
+        best = max(within, key=lambda i: (cached[i], -self.replicas[i].in_flight, -i))
+        if cached[best] == 0:  # cached nowhere: the least loaded, then the one caching least
+            best = min(within, key=lambda i: (*self._load(i)[:2], len(self.replicas[i].keys), i))
+        # a longer prefix held by a replica out of balance is passed over on purpose
+        reason = ("balance" if cached[best] < max(cached.values()) else
+                  "prefix" if cached[best] > 0 else "least_loaded")
+        return Decision(best, reason, cached[best], len(keys))
+
+    def _routed(self, i: int, keys: list, num_tokens: int) -> None:
+        r = self.replicas[i]
+        r.in_flight += 1
+        r.routed += 1
+        r.prompt_tokens += num_tokens
+        for k in keys:
+            r.keys[k] = None
+            r.keys.move_to_end(k)
+        while len(r.keys) > r.capacity:
+            r.keys.popitem(last=False)
+
+    def finished(self, replica: int, num_cached_tokens: int = 0) -> None:
+        """A request routed to `replica` ended (num_cached_tokens: its prompt tokens the
+        replica found in its prefix cache, for the per-replica hit rate)."""
+        r = self.replicas[replica]
+        r.in_flight = max(r.in_flight - 1, 0)
+        r.cached_tokens += max(num_cached_tokens, 0)
+
+    def stats(self) -> list[dict]:
+        return [{"alive": r.alive, "in_flight": r.in_flight, "kv_usage": r.kv_usage,
+                 "routed": r.routed, "prompt_tokens": r.prompt_tokens,
+                 "cached_tokens": r.cached_tokens, "remembered_blocks": len(r.keys)}
+                for r in self.replicas]

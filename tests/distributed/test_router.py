@@ -1,0 +1,122 @@
+"""The replica router (jaxllm/distributed/router.py): a prompt goes where its prefix is
+cached, cold prompts spread by load, a hot prefix spills over once its replica is out of
+balance, a full KV cache is avoided, dead replicas get nothing and forget their cache; round
+robin and least loaded as asked; the router's keys are the prefix cache's."""
+import random
+
+import pytest
+
+from jaxllm.core.kv_cache_manager import KVCacheManager
+from jaxllm.core.request import Request
+from jaxllm.distributed.router import Router
+from jaxllm.sampling_params import SamplingParams
+
+BS = 4
+
+
+def prompt(prefix: int, n_prefix: int = 16, tail: int = 0, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [1000 * prefix + i for i in range(n_prefix)] + [rng.randrange(50_000, 60_000) for _ in range(tail)]
+
+
+def test_keys_are_the_prefix_cache_keys():
+    ids = prompt(3, 18)
+    req = Request("r", ids, SamplingParams(), eos_token_id=None, seed=0)
+    want = KVCacheManager(num_blocks=16, block_size=BS).block_hashes(req)
+    assert Router(2, BS, 100).keys(ids) == want and len(want) == 4
+    # the adapter and cache salt are in the first key, as in the engine
+    salted = Request("s", ids, SamplingParams(), eos_token_id=None, seed=0, cache_salt="t", lora_id=2)
+    assert Router(2, BS, 100).keys(ids, salted.cache_extra) == \
+        KVCacheManager(num_blocks=16, block_size=BS).block_hashes(salted)
+
+
+def test_same_prefix_same_replica_and_cold_prompts_spread():
+    r = Router(3, BS, 1000)
+    homes = {}
+    for p in range(6):  # six conversations, each first seen cold
+        d = r.route(prompt(p, tail=3, seed=p))
+        assert d.reason == "least_loaded" and d.cached_blocks == 0
+        homes[p] = d.replica
+        r.finished(d.replica)
+    assert sorted(homes.values()) == [0, 0, 1, 1, 2, 2]  # spread while nothing is cached
+    for turn in range(1, 4):  # each conversation comes back with a longer history
+        for p in range(6):
+            d = r.route(prompt(p, tail=3 + turn, seed=p))
+            assert d.replica == homes[p] and d.reason == "prefix"
+            assert d.cached_blocks == (4 if turn == 1 else 5)  # what it sent there before
+            r.finished(d.replica)
+
+
+def test_a_hot_prefix_spills_over_when_out_of_balance():
+    r = Router(2, BS, 1000, balance_abs=2, balance_rel=1.5)
+    first = r.route(prompt(7, tail=2, seed=0))
+    seen = [first]
+    for i in range(1, 12):  # the same system prompt, nobody finishing
+        seen.append(r.route(prompt(7, tail=2, seed=i)))
+    on_home = sum(d.replica == first.replica for d in seen)
+    assert 0 < len(seen) - on_home  # some went elsewhere ...
+    spilled = [d for d in seen if d.replica != first.replica]
+    assert spilled[0].reason == "balance"
+    # ... and never more than the balance allows: in-flight counts stay close
+    counts = [s["in_flight"] for s in r.stats()]
+    assert abs(counts[0] - counts[1]) <= 3
+    # once the other replica holds the prefix too, it is a prefix hit there as well
+    assert any(d.reason == "prefix" and d.replica != first.replica for d in spilled)
+
+
+def test_a_full_kv_cache_is_avoided():
+    r = Router(2, BS, 1000)
+    d = r.route(prompt(1))
+    r.finished(d.replica)
+    r.set_kv_usage(d.replica, 0.97)
+    again = r.route(prompt(1, tail=4))
+    assert again.replica != d.replica and again.reason == "balance"
+    r.set_kv_usage(again.replica, 0.99)  # both full: the cache decides again
+    last = r.route(prompt(1, tail=5))
+    assert last.replica == again.replica and last.reason == "prefix"  # it holds the longer prefix
+
+
+def test_dead_replicas_get_nothing_and_forget():
+    r = Router(3, BS, 1000)
+    d = r.route(prompt(2))
+    r.finished(d.replica)
+    r.set_alive(d.replica, False)
+    for i in range(6):
+        assert r.route(prompt(2, tail=i)).replica != d.replica
+    r.set_alive(d.replica, True)
+    assert r.cached_blocks(d.replica, r.keys(prompt(2))) == 0  # a restarted replica is empty
+    for i in range(3):
+        r.set_alive(i, False)
+    with pytest.raises(RuntimeError, match="no replica"):
+        r.route(prompt(2))
+
+
+def test_memory_is_bounded_by_the_replicas_cache():
+    r = Router(1, BS, capacity_blocks=8)
+    for p in range(10):
+        r.route(prompt(p))  # 4 blocks each
+    assert r.stats()[0]["remembered_blocks"] == 8
+    assert r.cached_blocks(0, r.keys(prompt(9))) == 4   # the newest kept
+    assert r.cached_blocks(0, r.keys(prompt(0))) == 0   # the oldest gone
+
+
+def test_round_robin_and_least_loaded():
+    rr = Router(3, BS, 100, policy="round_robin")
+    assert [rr.route(prompt(1)).replica for _ in range(6)] == [0, 1, 2, 0, 1, 2]
+    rr.set_alive(1, False)
+    assert [rr.route(prompt(1)).replica for _ in range(4)] == [0, 2, 0, 2]
+    ll = Router(3, BS, 100, policy="least_loaded")
+    a, b = ll.route(prompt(1)).replica, ll.route(prompt(1)).replica
+    assert a != b  # the same prompt, but the loads differ
+    ll.finished(a)
+    assert ll.route(prompt(5)).replica == a
+    with pytest.raises(ValueError, match="routing policy"):
+        Router(2, BS, 100, policy="random")
+
+
+def test_hit_rates_per_replica():
+    r = Router(2, BS, 100)
+    d = r.route(prompt(1, tail=2))
+    r.finished(d.replica, num_cached_tokens=12)
+    s = r.stats()[d.replica]
+    assert s["routed"] == 1 and s["prompt_tokens"] == 18 and s["cached_tokens"] == 12
