@@ -140,3 +140,23 @@ def test_grafana_queries_only_metrics_the_server_exposes():
                 "inter_token_latency_seconds_bucket", "num_preemptions_total",
                 "spec_decode_num_accepted_tokens_total", "lora_num_requests_running"):
         assert f"jaxllm:{key}" in used
+
+
+def test_disable_web_ui_serves_no_pages():
+    """--disable-web-ui: no pages, no feed, no sampling; the API routes are untouched. (The
+    app is built without starting its engine: nothing here needs a model.)"""
+    from starlette.testclient import TestClient
+
+    from jaxllm.config import EngineConfig
+    from serve.app import OpenAIServer, ServerConfig
+
+    on = OpenAIServer(EngineConfig(model="unused"), ServerConfig("m"))
+    off = OpenAIServer(EngineConfig(model="unused"), ServerConfig("m", web_ui=False))
+    with_pages, without = TestClient(on.app()), TestClient(off.app())
+    for path in ("/", "/dashboard", "/dashboard/data", "/web/chat.js"):
+        assert with_pages.get(path).status_code == 200, path
+        r = without.get(path)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", path
+    assert off.dashboard is None
+    assert with_pages.get("/").headers["content-security-policy"].startswith("default-src 'self'")
+    assert without.get("/version").status_code == 200
