@@ -158,11 +158,12 @@ def run(args) -> int:
             dashboard = r % 2 == 1
             driver.get(base + "/dashboard" if dashboard else "about:blank")
             time.sleep(2)
+            updated = "return document.getElementById('status').dataset.updated || null"
+            before = driver.execute_script(updated) if dashboard else None
             got = asyncio.run(_streams(base, model, args.streams, args.requests, args.max_tokens))
             got["dashboard_open"] = dashboard
             if dashboard:  # the page kept drawing through the round
-                got["dashboard_updated"] = driver.execute_script(
-                    "return document.getElementById('status').dataset.updated || null") is not None
+                got["dashboard_updated"] = driver.execute_script(updated) != before
             rounds.append(got)
             print(f"round {r}: {'dashboard open' if dashboard else 'blank page   '} "
                   f"{got['output_tok_s']:.1f} output tok/s")

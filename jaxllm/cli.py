@@ -320,7 +320,8 @@ def main(argv=None) -> int:
     p.add_argument("--disable-web-ui", action="store_true",
                    help="serve no chat page at / and no dashboard at /dashboard")
     p.add_argument("--chat-trim-step", type=float, default=0.25, metavar="FRACTION",
-                   help="where a trimmed chat may be cut: about this fraction of its budget "
+                   help="where a trimmed chat may be cut: this fraction of its budget "
+                        "(context_budget or --max-prompt-tokens, else the model's length) "
                         "between allowed cuts, fixed by the turns before them, so the cut stays "
                         "put while a chat grows and its prefix stays cached; 0 drops the fewest "
                         "turns but moves the cut at every turn")

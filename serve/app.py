@@ -67,6 +67,16 @@ class ServerConfig:
     web_ui: bool = True
 
 
+class _WebFiles(StaticFiles):
+    """The pages' files, revalidated on every load (an upgraded server's page never runs an
+    old cached script) with the pages' headers."""
+
+    def file_response(self, *args, **kwargs):
+        response = super().file_response(*args, **kwargs)
+        response.headers.update(PAGE_HEADERS)
+        return response
+
+
 class OpenAIServer:
     def __init__(self, engine_config: EngineConfig, server_config: ServerConfig,
                  on_fatal=None):
@@ -146,7 +156,7 @@ class OpenAIServer:
                 Route("/", self._page("chat.html"), methods=["GET"]),
                 Route("/dashboard", self._page("dashboard.html"), methods=["GET"]),
                 Route("/dashboard/data", self._wrap(self.dashboard_data), methods=["GET"]),
-                Mount("/web", StaticFiles(directory=WEB_DIR), name="web"),
+                Mount("/web", _WebFiles(directory=WEB_DIR), name="web"),
             ]
         return Starlette(routes=routes, lifespan=self.lifespan,
                          exception_handlers={404: self._not_found, 405: self._not_allowed})
@@ -281,6 +291,13 @@ class OpenAIServer:
         room = self.engine.max_model_len - (1 if max_tokens is None else max_tokens)
         budget = body.context_budget if body.context_budget is not None else self.cfg.max_prompt_tokens
         return room if budget is None else min(budget, room)
+
+    def chat_trim_step_tokens(self, body) -> int:
+        """Tokens between a trimmed chat's allowed cuts: --chat-trim-step of the budget asked
+        for, or of the model's length (not of the room max_tokens leaves, so that a request's
+        max_tokens does not move the cuts)."""
+        base = body.context_budget or self.cfg.max_prompt_tokens or self.engine.max_model_len
+        return int(self.cfg.chat_trim_step * base)
 
     def check_prompt_budget(self, num_prompt_tokens: int) -> None:
         limit = self.cfg.max_prompt_tokens

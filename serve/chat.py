@@ -73,7 +73,8 @@ async def create(server, request: Request):
         budget = server.chat_budget(body, max_tokens)
         if budget is not None:
             trimmed = await context_budget.trim(messages, render, budget,
-                                                   server.cfg.chat_trim_step)
+                                                   server.chat_trim_step_tokens(body),
+                                                   engine.count_tokens)
             ids = trimmed.ids
             if trimmed.dropped_messages:
                 server.metrics.on_trimmed(server.model_name(body), trimmed.dropped_tokens)

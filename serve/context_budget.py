@@ -9,12 +9,12 @@ tool result loses its call. The choice depends only on the messages and the budg
 history is trimmed the same way every time.
 
 Where the cut may fall is fixed by the history before it: the turns are walked from the start,
-and a cut is allowed where their running size crosses a multiple of `step` times the budget
-(sizes estimated from characters, about four to a token plus a few tokens per message for the
-template). The cut then stays put while a conversation grows, turn after turn, until the
-budget forces it to the next allowed place, so that the trimmed history of one turn is a
-prefix of the next one's and the prefix cache serves it. `step=0` allows a cut after every
-turn: the fewest turns dropped, but each new turn moves the cut.
+and a cut is allowed where their running size in tokens (each message's text as the tokenizer
+counts it, plus a few tokens for the template) crosses a multiple of `step_tokens`. The cut
+then stays put while a conversation grows, turn after turn, until the budget forces it to the
+next allowed place, so that the trimmed history of one turn is a prefix of the next one's
+and the prefix cache serves it. `step_tokens=0` allows a cut after every turn: the fewest
+turns dropped, but each new turn moves the cut.
 """
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ from typing import Awaitable, Callable
 from serve.errors import APIError
 
 # These only space the allowed cuts; what fits is measured by rendering.
-CHARS_PER_TOKEN = 4
 TOKENS_PER_MESSAGE = 4  # the template's own tokens around each message
+CHARS_PER_TOKEN = 4     # sizes guessed from characters when no tokenizer counts them
 
 
 @dataclass
@@ -68,28 +68,31 @@ def turns(messages: list[dict]) -> tuple[list[list[int]], set[int]]:
     return [g for g in groups if not kept.intersection(g)], kept
 
 
-def _size(m: dict) -> int:
+def text_of(m: dict) -> str:
+    """What of a message the model reads as text: its content and its tool calls."""
     content = m.get("content")
     if isinstance(content, list):
         content = " ".join(p.get("text", "") for p in content if isinstance(p, dict))
-    n = len(content or "") + TOKENS_PER_MESSAGE * CHARS_PER_TOKEN
+    text = content or ""
     if m.get("tool_calls"):
-        n += len(json.dumps(m["tool_calls"], sort_keys=True, default=str))
-    return n
+        text += json.dumps(m["tool_calls"], sort_keys=True, default=str)
+    return text
 
 
-def cuts(messages: list[dict], budget: int, step: float) -> list[int]:
+def cuts(messages: list[dict], step_tokens: int, sizes: list[int] | None = None) -> list[int]:
     """The allowed cuts, ascending: cut k drops the droppable turns among the first k turns.
-    Each depends only on the turns before it, so appending turns never moves one."""
+    `sizes`: each message's tokens (guessed from its characters when None). Each cut depends
+    only on the turns before it, so appending turns never moves one."""
     groups = _groups(messages)
-    if step <= 0:
+    if step_tokens <= 0:
         return list(range(1, len(groups) + 1))
-    width = max(1, int(step * budget * CHARS_PER_TOKEN))
+    if sizes is None:
+        sizes = [len(text_of(m)) // CHARS_PER_TOKEN for m in messages]
     allowed, total = [], 0
     for k, g in enumerate(groups, start=1):
-        before = total // width
-        total += sum(_size(messages[i]) for i in g)
-        if total // width > before:
+        before = total // step_tokens
+        total += sum(sizes[i] + TOKENS_PER_MESSAGE for i in g)
+        if total // step_tokens > before:
             allowed.append(k)
     if not allowed or allowed[-1] != len(groups):
         allowed.append(len(groups))  # dropping every droppable turn is always allowed
@@ -97,10 +100,12 @@ def cuts(messages: list[dict], budget: int, step: float) -> list[int]:
 
 
 async def trim(messages: list[dict], render: Callable[[list[dict]], Awaitable[list[int]]],
-               budget: int, step: float = 0.0) -> Trimmed:
+               budget: int, step_tokens: int = 0,
+               count: Callable[[list[str]], Awaitable[list[int]]] | None = None) -> Trimmed:
     """The first allowed cut (see `cuts`) whose kept conversation fits `budget` prompt tokens,
     found by bisection since rendering is the cost; a 400 naming the sizes when even the
-    messages always kept do not fit."""
+    messages always kept do not fit. `count`: the tokens of each of a list of texts (the
+    messages' sizes for `cuts`)."""
     ids = await render(messages)
     if len(ids) <= budget:
         return Trimmed(messages, ids, 0, 0)
@@ -111,7 +116,8 @@ async def trim(messages: list[dict], render: Callable[[list[dict]], Awaitable[li
         dropped = {i for g in groups[:k] if not kept.intersection(g) for i in g}
         return [m for i, m in enumerate(messages) if i not in dropped]
 
-    allowed = cuts(messages, budget, step)
+    sizes = await count([text_of(m) for m in messages]) if count is not None and step_tokens > 0 else None
+    allowed = cuts(messages, step_tokens, sizes)
     floor = await render(without(len(groups)))
     if len(floor) > budget:
         raise APIError(400, f"the conversation needs {len(ids)} prompt tokens and its budget is "

@@ -6,9 +6,12 @@ points after the last one it has."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from collections import deque
+
+logger = logging.getLogger("jaxllm")
 
 INTERVAL = 1.0        # seconds between points
 KEEP = 600            # points kept: the last ten minutes
@@ -99,21 +102,25 @@ def point(t: float, now: dict, rate_then: tuple[float, dict], lat_then: tuple[fl
 class DashboardFeed:
     """Points over the last minutes, sampled by `run` (a task of the server's event loop)."""
 
-    def __init__(self, registry, info, clock=time.time):
-        """info: called for what the page shows once (the model, its adapters, sizes)."""
-        self.registry, self.info, self.clock = registry, info, clock
+    def __init__(self, registry, info, clock=time.time, monotonic=time.monotonic):
+        """info: called for what the page shows once (the model, its adapters, sizes). Points
+        carry `clock`'s time; the windows are measured on `monotonic`, which never steps back."""
+        self.registry, self.info, self.clock, self.monotonic = registry, info, clock, monotonic
         self.points: deque[dict] = deque(maxlen=KEEP)
         self._raw: deque[tuple[float, dict]] = deque()  # (time, registry) over the longest window
 
     def sample(self) -> dict:
-        t, now = self.clock(), read(self.registry)
-        self._raw.append((t, now))
-        while len(self._raw) > 1 and t - self._raw[1][0] >= LATENCY_WINDOW:
+        m, now = self.monotonic(), read(self.registry)
+        self._raw.append((m, now))
+        while len(self._raw) > 1 and m - self._raw[1][0] >= LATENCY_WINDOW:
             self._raw.popleft()
-        rate_then = next(((ts, v) for ts, v in self._raw if t - ts <= RATE_WINDOW), self._raw[0])
-        if rate_then[0] == t and len(self._raw) > 1:
+        rate_then = next(((ts, v) for ts, v in self._raw if m - ts <= RATE_WINDOW), self._raw[0])
+        if rate_then[0] == m and len(self._raw) > 1:
             rate_then = self._raw[-2]
-        p = point(t, now, rate_then, self._raw[0])
+        p = point(m, now, rate_then, self._raw[0])
+        p["t"] = round(self.clock(), 3)
+        if self.points and p["t"] <= self.points[-1]["t"]:  # the wall clock stepped back
+            p["t"] = self.points[-1]["t"] + 0.001
         self.points.append(p)
         return p
 
@@ -125,5 +132,8 @@ class DashboardFeed:
 
     async def run(self):
         while True:
-            self.sample()
+            try:
+                self.sample()
+            except Exception:  # a bad sample is skipped; the feed goes on
+                logger.exception("the dashboard could not sample the metrics")
             await asyncio.sleep(INTERVAL)

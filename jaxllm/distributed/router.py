@@ -33,11 +33,13 @@ class Decision:
     reason: str               # "prefix", "balance", "least_loaded", "round_robin"
     cached_blocks: int        # blocks of the prompt the router believes the replica holds
     prompt_blocks: int
+    life: int = 0             # which life of the replica it went to (see Router.finished)
 
 
 @dataclass
 class _Replica:
     alive: bool = True
+    life: int = 0             # bumped when the replica dies: its old requests count no more
     in_flight: int = 0
     kv_usage: float = 0.0
     capacity: int = 0                                  # blocks remembered, at most
@@ -88,9 +90,11 @@ class Router:
     def set_alive(self, replica: int, alive: bool) -> None:
         """A replica that died forgets everything (its restart has an empty cache)."""
         r = self.replicas[replica]
-        if not alive:
+        if not alive and r.alive:
             r.keys.clear()
             r.in_flight = 0
+            r.kv_usage = 0.0
+            r.life += 1
         r.alive = alive
 
     # routing
@@ -110,6 +114,7 @@ class Router:
         else:
             decision = self._by_prefix(live, keys)
         self._routed(decision.replica, keys, len(token_ids))
+        decision.life = self.replicas[decision.replica].life
         return decision
 
     def _load(self, i: int) -> tuple:
@@ -152,10 +157,13 @@ class Router:
         while len(r.keys) > r.capacity:
             r.keys.popitem(last=False)
 
-    def finished(self, replica: int, num_cached_tokens: int = 0) -> None:
-        """A request routed to `replica` ended (num_cached_tokens: its prompt tokens the
-        replica found in its prefix cache, for the per-replica hit rate)."""
-        r = self.replicas[replica]
+    def finished(self, decision: Decision, num_cached_tokens: int = 0) -> None:
+        """The request routed by `decision` ended (num_cached_tokens: its prompt tokens the
+        replica found in its prefix cache, for the per-replica hit rate). One that went to a
+        replica's earlier life, before it died, counts no more."""
+        r = self.replicas[decision.replica]
+        if decision.life != r.life:
+            return
         r.in_flight = max(r.in_flight - 1, 0)
         r.cached_tokens += max(num_cached_tokens, 0)
 

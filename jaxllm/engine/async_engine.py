@@ -256,6 +256,11 @@ class AsyncEngine:
         return await self._in_pool(lambda: self.tokenizer.decode(
             ids, skip_special_tokens=skip_special_tokens))
 
+    async def count_tokens(self, texts: list[str]) -> list[int]:
+        """Each text's tokens (no special tokens added)."""
+        return await self._in_pool(lambda: [len(self.tokenizer.encode(t, add_special_tokens=False))
+                                            for t in texts])
+
     async def render_chat(self, messages: list[dict], add_generation_prompt: bool,
                           continue_final_message: bool, chat_template: str | None,
                           tools: list[dict] | None = None) -> list[int]:

@@ -4,7 +4,8 @@
 
 const $ = (id) => document.getElementById(id);
 const STORE = "jaxllm.chat";
-const SETTINGS = ["system", "temperature", "top_p", "max_tokens", "seed", "api_key"];
+const SETTINGS = ["system", "temperature", "top_p", "max_tokens", "seed"];
+const KEY_STORE = "jaxllm.key";  // the API key lives only as long as the tab (sessionStorage)
 
 const state = { messages: [], model: null, controller: null };
 
@@ -12,6 +13,7 @@ function save() {
   const settings = {};
   for (const k of SETTINGS) settings[k] = $(k).value;
   localStorage.setItem(STORE, JSON.stringify({ messages: state.messages, model: state.model, settings }));
+  sessionStorage.setItem(KEY_STORE, $("api_key").value);
 }
 
 function load() {
@@ -20,6 +22,7 @@ function load() {
     state.messages = Array.isArray(saved.messages) ? saved.messages : [];
     state.model = saved.model || null;
     for (const k of SETTINGS) if (saved.settings && saved.settings[k] != null) $(k).value = saved.settings[k];
+    $("api_key").value = sessionStorage.getItem(KEY_STORE) || "";
   } catch (e) {
     state.messages = [];
   }
@@ -45,8 +48,18 @@ async function errorText(resp) {
   return `HTTP ${resp.status}`;
 }
 
+let retry = null;
+
 async function loadModels() {
-  const resp = await fetch("/v1/models", { headers: headers() });
+  clearTimeout(retry);
+  let resp;
+  try {
+    resp = await fetch("/v1/models", { headers: headers() });
+  } catch (e) {
+    notice("No answer from the server; trying again…");
+    retry = setTimeout(loadModels, 2000);
+    return;
+  }
   if (resp.status === 401) {
     notice("This server needs an API key: enter it under settings.");
     $("settings").hidden = false;
@@ -54,7 +67,7 @@ async function loadModels() {
   }
   if (resp.status === 503) {
     notice("The model is still loading…");
-    setTimeout(loadModels, 2000);
+    retry = setTimeout(loadModels, 2000);
     return;
   }
   if (!resp.ok) {
@@ -128,7 +141,12 @@ function requestBody() {
   const messages = [];
   const system = $("system").value.trim();
   if (system) messages.push({ role: "system", content: system });
-  for (const m of state.messages) if (!m.error) messages.push({ role: m.role, content: m.content });
+  // a reply that failed is left out with the message it answered: roles keep alternating
+  state.messages.forEach((m, i) => {
+    const next = state.messages[i + 1];
+    if (m.error || (m.role === "user" && next && next.error)) return;
+    messages.push({ role: m.role, content: m.content });
+  });
   const body = { model: state.model, messages, stream: true, stream_options: { include_usage: true } };
   const fields = { temperature: parseFloat, top_p: parseFloat, max_tokens: (v) => parseInt(v, 10), seed: (v) => parseInt(v, 10) };
   for (const [k, parse] of Object.entries(fields)) {
@@ -248,7 +266,7 @@ function init() {
     send(text);
   });
   $("input").addEventListener("keydown", (e) => {
-    if (e.key === "Enter" && !e.shiftKey) {
+    if (e.key === "Enter" && !e.shiftKey && !e.isComposing) {
       e.preventDefault();
       $("composer").requestSubmit();
     }
@@ -269,7 +287,7 @@ function init() {
     box.hidden = !box.hidden;
     $("settings-toggle").setAttribute("aria-expanded", String(!box.hidden));
   });
-  for (const k of SETTINGS) $(k).addEventListener("change", save);
+  for (const k of [...SETTINGS, "api_key"]) $(k).addEventListener("change", save);
   $("api_key").addEventListener("change", loadModels);
   loadModels();
 }

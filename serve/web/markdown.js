@@ -12,7 +12,7 @@ const Markdown = (() => {
   };
 
   // inline: `code`, **bold**, *italic* / _italic_, [text](http...)
-  const INLINE = /(`+)([\s\S]*?[^`])\1(?!`)|\*\*([^*]+)\*\*|\*([^*\s][^*]*)\*|\b_([^_]+)_\b|\[([^\]]+)\]\(([^)\s]+)\)/g;
+  const INLINE = /(`{1,3})([^`]+)\1(?!`)|\*\*([^*]+)\*\*|\*([^*\s][^*]*)\*|\b_([^_]+)_\b|\[([^\]]+)\]\(([^)\s]+)\)/g;
 
   function inline(parent, text) {
     let last = 0;

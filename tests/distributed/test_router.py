@@ -37,14 +37,14 @@ def test_same_prefix_same_replica_and_cold_prompts_spread():
         d = r.route(prompt(p, tail=3, seed=p))
         assert d.reason == "least_loaded" and d.cached_blocks == 0
         homes[p] = d.replica
-        r.finished(d.replica)
+        r.finished(d)
     assert sorted(homes.values()) == [0, 0, 1, 1, 2, 2]  # spread while nothing is cached
     for turn in range(1, 4):  # each conversation comes back with a longer history
         for p in range(6):
             d = r.route(prompt(p, tail=3 + turn, seed=p))
             assert d.replica == homes[p] and d.reason == "prefix"
             assert d.cached_blocks == (4 if turn == 1 else 5)  # what it sent there before
-            r.finished(d.replica)
+            r.finished(d)
 
 
 def test_a_hot_prefix_spills_over_when_out_of_balance():
@@ -67,7 +67,7 @@ def test_a_hot_prefix_spills_over_when_out_of_balance():
 def test_a_full_kv_cache_is_avoided():
     r = Router(2, BS, 1000)
     d = r.route(prompt(1))
-    r.finished(d.replica)
+    r.finished(d)
     r.set_kv_usage(d.replica, 0.97)
     again = r.route(prompt(1, tail=4))
     assert again.replica != d.replica and again.reason == "balance"
@@ -79,12 +79,22 @@ def test_a_full_kv_cache_is_avoided():
 def test_dead_replicas_get_nothing_and_forget():
     r = Router(3, BS, 1000)
     d = r.route(prompt(2))
-    r.finished(d.replica)
+    r.finished(d)
     r.set_alive(d.replica, False)
     for i in range(6):
         assert r.route(prompt(2, tail=i)).replica != d.replica
     r.set_alive(d.replica, True)
     assert r.cached_blocks(d.replica, r.keys(prompt(2))) == 0  # a restarted replica is empty
+    # a request from before the death that ends now does not lower the new life's count
+    late = r.route(prompt(3))
+    r.set_alive(late.replica, False)
+    r.set_alive(late.replica, True)
+    fresh = r.route(prompt(3))
+    assert fresh.replica == late.replica
+    r.finished(late)
+    assert r.stats()[late.replica]["in_flight"] == 1
+    r.finished(fresh)
+    assert r.stats()[late.replica]["in_flight"] == 0
     for i in range(3):
         r.set_alive(i, False)
     with pytest.raises(RuntimeError, match="no replica"):
@@ -106,9 +116,10 @@ def test_round_robin_and_least_loaded():
     rr.set_alive(1, False)
     assert [rr.route(prompt(1)).replica for _ in range(4)] == [0, 2, 0, 2]
     ll = Router(3, BS, 100, policy="least_loaded")
-    a, b = ll.route(prompt(1)).replica, ll.route(prompt(1)).replica
-    assert a != b  # the same prompt, but the loads differ
-    ll.finished(a)
+    first, second = ll.route(prompt(1)), ll.route(prompt(1))
+    a = first.replica
+    assert a != second.replica  # the same prompt, but the loads differ
+    ll.finished(first)
     assert ll.route(prompt(5)).replica == a
     with pytest.raises(ValueError, match="routing policy"):
         Router(2, BS, 100, policy="random")
@@ -117,6 +128,6 @@ def test_round_robin_and_least_loaded():
 def test_hit_rates_per_replica():
     r = Router(2, BS, 100)
     d = r.route(prompt(1, tail=2))
-    r.finished(d.replica, num_cached_tokens=12)
+    r.finished(d, num_cached_tokens=12)
     s = r.stats()[d.replica]
     assert s["routed"] == 1 and s["prompt_tokens"] == 18 and s["cached_tokens"] == 12

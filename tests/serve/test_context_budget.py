@@ -20,7 +20,8 @@ def render(messages):
 
 
 def run_trim(messages, budget, step=0.0):
-    return asyncio.run(trim(messages, render, budget, step))
+    """step: the allowed cuts' spacing as a fraction of the budget."""
+    return asyncio.run(trim(messages, render, budget, int(step * budget)))
 
 
 words = st.integers(1, 30).map(lambda n: " ".join(["w"] * n))
@@ -105,7 +106,7 @@ def test_trimmed_conversations_keep_the_rules(messages, fraction, step):
     assert dropped_turns == groups[:len(dropped_turns)]  # oldest first
     if dropped_turns:
         # the first allowed cut that fits: every allowed cut before it keeps too much
-        allowed = cuts(messages, budget, step)
+        allowed = cuts(messages, int(step * budget))
         chosen = min(k for k in allowed if dropped_by(messages, k) == dropped_turns)
         for k in allowed:
             if k < chosen:
@@ -147,7 +148,7 @@ def test_a_growing_conversation_keeps_its_cut(messages, more, fraction, step):
     before = None  # (allowed cuts, the chosen cut) at the previous turn
     for question, answer in more:
         messages = messages + [{"role": "user", "content": question}]
-        allowed = cuts(messages, budget, step)
+        allowed = cuts(messages, int(step * budget))
         if before is not None:
             assert before[0][:-1] == allowed[:len(before[0]) - 1]
         try:
@@ -186,3 +187,22 @@ def test_the_last_tool_calls_stay_with_their_turn():
             {"role": "user", "content": "thanks"}]
     out = run_trim(msgs, 40)
     assert out.messages == msgs[2:] and out.dropped_messages == 2
+
+
+def test_cuts_are_spaced_by_the_tokenizers_count():
+    """Sizes come from the tokenizer when one counts them: text of one token a character (as
+    CJK often is) gets cuts four times closer than the characters-based guess would place."""
+    msgs = []
+    for i in range(12):
+        msgs += [{"role": "user", "content": "x" * 40}, {"role": "assistant", "content": "y" * 40}]
+    msgs.append({"role": "user", "content": "last"})
+    guessed = cuts(msgs, 100)
+    counted = cuts(msgs, 100, [len(m["content"]) for m in msgs])
+    assert guessed[:3] == [4, 8, 11] and counted[:3] == [2, 3, 4]
+    seen = []
+
+    async def count(texts):
+        seen.append(len(texts))
+        return [len(t) for t in texts]
+    out = asyncio.run(trim(msgs, render, 60, 100, count))
+    assert seen == [len(msgs)] and out.dropped_messages in [2 * k for k in counted]

@@ -66,7 +66,8 @@ def test_quantile_is_prometheus_histogram_quantile(q):
 
 def test_feed_turns_counters_into_points():
     metrics, engine, clock = Metrics("m"), Engine(), [1000.0]
-    feed = DashboardFeed(metrics.registry, lambda: {"model": "m"}, clock=lambda: clock[0])
+    feed = DashboardFeed(metrics.registry, lambda: {"model": "m"}, clock=lambda: clock[0],
+                         monotonic=lambda: clock[0])
     metrics.on_step(engine, [], 0.0)
     first = feed.sample()
     assert first["generation_tps"] == 0 and first["ttft_p50"] is None and first["kv_waste"] is None
@@ -101,7 +102,7 @@ def test_feed_turns_counters_into_points():
 def test_spec_and_lora_points_appear_only_when_enabled():
     metrics, engine = Metrics("m"), Engine(speculative=True, lora=True)
     clock = [0.0]
-    feed = DashboardFeed(metrics.registry, dict, clock=lambda: clock[0])
+    feed = DashboardFeed(metrics.registry, dict, clock=lambda: clock[0], monotonic=lambda: clock[0])
     metrics.on_step(engine, [], 0.0)
     feed.sample()
     clock[0] += 1
@@ -160,3 +161,35 @@ def test_disable_web_ui_serves_no_pages():
     assert off.dashboard is None
     assert with_pages.get("/").headers["content-security-policy"].startswith("default-src 'self'")
     assert without.get("/version").status_code == 200
+
+
+def test_a_clock_step_or_a_failing_sample_does_not_break_the_feed(monkeypatch, caplog):
+    import asyncio
+    metrics, engine = Metrics("m"), Engine()
+    wall, mono = [5000.0], [0.0]
+    feed = DashboardFeed(metrics.registry, dict, clock=lambda: wall[0], monotonic=lambda: mono[0])
+    metrics.on_step(engine, [], 0.0)
+    first = feed.sample()
+    mono[0] += 1
+    wall[0] -= 3600  # the wall clock is stepped back an hour
+    engine.s["generation_tokens"] = 40
+    metrics.on_step(engine, [], 0.0)
+    p = feed.sample()
+    assert p["generation_tps"] == pytest.approx(40) and p["t"] > first["t"]
+    # run() logs a sample that raises and goes on sampling
+    monkeypatch.setattr(dashboard, "INTERVAL", 0.01)
+    calls = []
+
+    def flaky():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("a collector broke")
+    feed.sample = flaky
+
+    async def go():
+        task = asyncio.create_task(feed.run())
+        while len(calls) < 3:
+            await asyncio.sleep(0.01)
+        task.cancel()
+    asyncio.run(go())
+    assert "could not sample" in caplog.text

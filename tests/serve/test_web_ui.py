@@ -111,7 +111,7 @@ def test_pages_are_small_self_contained_and_public(server):
                 total += len(asset.content)
     assert total < 64 * 1024
     assert httpx.get(server + "/v1/models").status_code == 401
-    assert httpx.get(server + "/web/../app.py").status_code == 404
+    assert httpx.get(server + "/web/%2e%2e/app.py").status_code == 404  # no way out of serve/web
 
 
 def page_state(driver) -> dict:
@@ -168,6 +168,7 @@ def test_chat_streams_stops_and_switches_model(server, browser, shots):
 
     # a long reply: text is seen arriving before it ends, then stop aborts it on the server
     set_field(browser, "max_tokens", 200)
+    ran_out = metric(server, "request_success_total", model_name=MODEL, finished_reason="length")
     send(browser, "Tell me a long story")
     streaming = wait(lambda: [r for r in replies(browser)[1:]
                               if "streaming" in r.get_attribute("class") and r.text.strip()],
@@ -178,6 +179,8 @@ def test_chat_streams_stops_and_switches_model(server, browser, shots):
                    what="the stopped reply")[0]
     assert "stopped" in stopped.find_element("css selector", ".stats").text
     wait(lambda: metric(server, "num_requests_running") == 0, what="the abort")
+    # aborted, not run to its 200 tokens
+    assert metric(server, "request_success_total", model_name=MODEL, finished_reason="length") == ran_out
     partial = page_state(browser)["messages"][-1]["content"]
     assert 0 < len(partial)
 
@@ -242,7 +245,9 @@ def load(base, stop_event, streams=8):
 
 
 def shown(driver, key):
-    return driver.find_element("css selector", f'[data-key="{key}"]').text
+    el = driver.find_element("css selector", f'[data-key="{key}"]')
+    assert el.is_displayed(), f"the {key} panel is hidden"
+    return el.text
 
 
 def test_dashboard_moves_under_load(server, browser, shots):
@@ -257,7 +262,7 @@ def test_dashboard_moves_under_load(server, browser, shots):
         wait(lambda: shown(browser, "running") not in ("–", "0"), what="running requests")
         wait(lambda: shown(browser, "ttft_p50") != "–", what="a TTFT percentile")
         wait(lambda: shown(browser, "kv_usage") not in ("–", "0%"), what="KV usage")
-        assert shown(browser, "itl_p99") != "–"
+        wait(lambda: shown(browser, "itl_p99") != "–", what="an inter-token latency percentile")
         wait(lambda: shown(browser, "lora_total") not in ("–", "0"), what="adapter requests")
         # some seconds of history on the charts before the picture
         wait(lambda: sum(p["generation_tps"] > 0 for p in
@@ -274,9 +279,10 @@ def test_dashboard_moves_under_load(server, browser, shots):
     assert data["info"]["max_lora"] == 3
     assert max(p["generation_tps"] for p in data["points"]) > 0
     assert any(p["lora_running"].get(ADAPTER, 0) > 0 for p in data["points"] if "lora_running" in p)
-    last = data["points"][-1]["t"]
-    assert httpx.get(server + f"/dashboard/data?since={last}").json()["points"] == [] or \
-        all(p["t"] > last for p in httpx.get(server + f"/dashboard/data?since={last}").json()["points"])
+    # the points after a given one, as the page asks for them
+    since = data["points"][-3]["t"]
+    after = [p["t"] for p in httpx.get(server + f"/dashboard/data?since={since}").json()["points"]]
+    assert after[:2] == [p["t"] for p in data["points"][-2:]]
     assert httpx.get(server + "/dashboard/data?since=soon").status_code == 400
 
 
