@@ -3,11 +3,13 @@ Chromium against a real `jaxllm serve`.
 
 - Page weight: bytes transferred on a first load of `/` and of `/dashboard` (cache cleared),
   as the browser's Resource Timing reports them.
-- What the page adds to the time to first token: the page's own TTFT (from the click that
-  sends to the first token drawn) against the API's TTFT for the same request from a Python
-  client (from sending to the first content chunk), alternated, on prompts of equal length.
+- What the page adds to the time to first token: the page's own TTFT (from sending to the
+  first token drawn) against the API's TTFT for the same request from a Python client on a
+  kept-alive connection (from sending to the first content chunk), alternated, on prompts of
+  equal length that share no prefix beyond the chat template's.
 - Whether the dashboard slows the API: 64 concurrent API streams, rounds with the dashboard
-  open in the browser and rounds with a blank page, alternated; output tokens per second."""
+  open in the browser and rounds with a blank page, in the order blank, open, open, blank;
+  output tokens per second."""
 from __future__ import annotations
 
 import argparse
@@ -26,11 +28,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="what `jaxllm serve` serves (default: its default)")
     p.add_argument("--serve-args", default="--max-model-len 2048", help="more `jaxllm serve` arguments")
     p.add_argument("--port", type=int, default=8235)
-    p.add_argument("--ttft-trials", type=int, default=12, help="requests each from page and API")
+    p.add_argument("--ttft-trials", type=int, default=20, help="requests each from page and API")
     p.add_argument("--streams", type=int, default=64, help="concurrent API streams")
     p.add_argument("--requests", type=int, default=192, help="requests per throughput round")
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--rounds", type=int, default=3, help="throughput rounds of each kind")
+    p.add_argument("--rounds", type=int, default=2, help="throughput rounds of each kind")
     p.add_argument("--results-dir", default="benchmarks/results")
     p.add_argument("--tag", default=None)
 
@@ -53,7 +55,9 @@ def page_weight(driver, base: str, path: str) -> dict:
 
 
 def prompt(i: int, who: str) -> str:
-    return f"Trial {i:03d} from the {who}: name three rivers and one mountain."
+    """Prompts of one length (13 tokens for the default model) that differ from their first
+    word on, so that neither side finds the other's prompt in the prefix cache."""
+    return f"{who} {i:03d}: name three rivers and one mountain."
 
 
 def page_ttft(driver, text: str) -> float:
@@ -75,13 +79,13 @@ def page_ttft(driver, text: str) -> float:
         time.sleep(0.02)
 
 
-def api_ttft(base: str, model: str, text: str, max_tokens: int) -> float:
-    import httpx
+def api_ttft(client, base: str, model: str, text: str, max_tokens: int) -> float:
+    """From sending to the first content chunk, on a kept-alive connection (as the browser's)."""
     body = {"model": model, "messages": [{"role": "user", "content": text}], "stream": True,
             "temperature": 0, "max_tokens": max_tokens, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     first = None
-    with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=300) as r:
+    with client.stream("POST", base + "/v1/chat/completions", json=body, timeout=300) as r:
         for line in r.iter_lines():
             if not line.startswith("data:") or line == "data: [DONE]":
                 continue
@@ -131,31 +135,32 @@ def run(args) -> int:
               f"dashboard {weight['dashboard']['kb_transferred']:.1f} KB")
 
         driver.get(base + "/")
-        for field, value in (("temperature", 0), ("max_tokens", 16), ("seed", "")):
-            el = driver.find_element("id", field)
-            el.clear()
-            if value != "":
-                el.send_keys(str(value))
-        api_ttft(base, model, prompt(999, "warm-up"), 16)
+        for field, value in (("temperature", "0"), ("max_tokens", "16"), ("seed", "")):
+            driver.execute_script("const el = document.getElementById(arguments[0]);"
+                                  "el.value = arguments[1]; el.dispatchEvent(new Event('change'));",
+                                  field, value)
+        api = httpx.Client()
+        api_ttft(api, base, model, prompt(999, "warm-up"), 16)
         page_ttft(driver, prompt(998, "warm-up"))
-        page, api = [], []
+        page, api_ms = [], []
         for i in range(args.ttft_trials):  # alternated, each first half the time
             order = ("page", "api") if i % 2 == 0 else ("api", "page")
             for who in order:
                 if who == "page":
                     page.append(page_ttft(driver, prompt(i, who)))
                 else:
-                    api.append(api_ttft(base, model, prompt(i, who), 16))
-        ttft = {"page_ms": page, "api_ms": api, "page_median_ms": statistics.median(page),
-                "api_median_ms": statistics.median(api),
-                "page_adds_ms": statistics.median(page) - statistics.median(api)}
+                    api_ms.append(api_ttft(api, base, model, prompt(i, who), 16))
+        api.close()
+        ttft = {"page_ms": page, "api_ms": api_ms, "page_median_ms": statistics.median(page),
+                "api_median_ms": statistics.median(api_ms),
+                "page_adds_ms": statistics.median(page) - statistics.median(api_ms)}
         print(f"TTFT: page {ttft['page_median_ms']:.1f} ms, API {ttft['api_median_ms']:.1f} ms "
               f"(median; the page adds {ttft['page_adds_ms']:.1f} ms)")
 
         rounds = []
         asyncio.run(_streams(base, model, args.streams, args.streams, args.max_tokens))  # warm-up
         for r in range(2 * args.rounds):
-            dashboard = r % 2 == 1
+            dashboard = r % 4 in (1, 2)  # blank, open, open, blank, ...: a drift favours neither
             driver.get(base + "/dashboard" if dashboard else "about:blank")
             time.sleep(2)
             updated = "return document.getElementById('status').dataset.updated || null"
