@@ -383,7 +383,7 @@ def test_soak_passes_with_faults_injected(tiny_llama, tmp_path):
     report's timing checks, RSS and TTFT over time, are for real runs: not asserted here.)"""
     from server_util import SERVER_ENGINE, free_port
     main(["bench", "soak", "--model", tiny_llama, "--serve-args", " ".join(SERVER_ENGINE),
-            "--minutes", "0.25", "--concurrency", "4", "--fault-every", "15", "--max-tokens", "8",
+            "--minutes", "0.15", "--concurrency", "4", "--fault-every", "10", "--max-tokens", "8",
             "--replay-turns", "6", "--replay-budget", "120", "--sample-seconds", "2",
             "--port", str(free_port()), "--results-dir", str(tmp_path), "--tag", "soak"])
     r = read_json(tmp_path / "soak.json")

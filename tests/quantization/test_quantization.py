@@ -632,12 +632,16 @@ def test_tensor_parallel_quantized_weights(tiny_llama, tmp_path, default_gguf):
     gguf_path = str(tmp_path / "q4_0.gguf")
     write_gguf(hf, gguf_path, tokenizer_from=default_gguf, qtype=T.Q4_0)
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/
-    for model, method in ((tiny_llama, "int8"), (gguf_path, "")):
-        env = dict(os.environ, JAXLLM_TEST_QUANT=method)
-        proc = subprocess.run([sys.executable, os.path.join(here, "tp_worker.py"), model, "1,2"],
-                              capture_output=True, text=True, env=env, timeout=600)
-        line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
-        assert line, proc.stderr[-3000:]
+    cases = ((tiny_llama, "int8"), (gguf_path, ""))
+    # both workers at once: most of each one's time is starting up and compiling
+    procs = [subprocess.Popen([sys.executable, os.path.join(here, "tp_worker.py"), model, "1,2"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=dict(os.environ, JAXLLM_TEST_QUANT=method))
+             for model, method in cases]
+    outputs = [p.communicate(timeout=600) for p in procs]
+    for (model, method), (stdout, stderr) in zip(cases, outputs):
+        line = next((x for x in stdout.splitlines() if x.startswith("RESULT ")), None)
+        assert line, stderr[-3000:]
         res = json.loads(line[len("RESULT "):])
         assert "error" not in res["2"], res["2"]
         assert res["1"]["tokens"] == res["2"]["tokens"], model
