@@ -4,7 +4,8 @@ and equals the API's answer, a long reply is stopped and its request aborted, th
 switched to the adapter, model output never becomes markup, and the dashboard's numbers move
 while requests run. Prometheus itself scrapes the same server and answers every query of the
 Grafana dashboard in docs/grafana. Screenshots of both pages are written to the test's folder
-(and to --web-screenshots DIR when given)."""
+(and to --web-screenshots DIR when given). The module is named to sort early: the suite runs
+modules in file-name order, and a long one last would leave the other worker idle."""
 import json
 import re
 import shutil
