@@ -5,6 +5,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
@@ -57,9 +58,23 @@ def write_result(args, result: dict, kind: str) -> str:
     tag = args.tag or "_".join(x for x in (kind, dataset, datetime.date.today().isoformat(), device) if x)
     path = os.path.join(args.results_dir, f"{tag}.json")
     with open(path, "w") as f:
-        json.dump(result, f, indent=2)
+        f.write(dumps(result))
     print(f"wrote {path}")
     return path
+
+
+_FLAT_LIST = re.compile(r"\[[^\[\]{}]*\]")
+
+
+def dumps(result) -> str:
+    """JSON indented for reading, with lists of plain values (series over a run) on one line
+    each rather than one value a line. (JSON escapes newlines inside strings, so only the
+    layout's own are joined.)"""
+    text = json.dumps(result, indent=2)
+    def flat(m):  # only whitespace around a newline is layout: strings keep their spaces
+        inner = re.sub(r"\s*\n\s*$", "", re.sub(r"^\s*\n\s*", "", m.group(0)[1:-1]))
+        return "[" + re.sub(r"\s*\n\s*", " ", inner) + "]"
+    return _FLAT_LIST.sub(flat, text) + "\n"
 
 
 def memory_line(m: dict) -> str:

@@ -397,3 +397,15 @@ def test_soak_passes_with_faults_injected(tiny_llama, tmp_path):
     assert r["replay"]["answered"] == 6 and r["replay"]["turns_trimmed"] >= 1
     assert r["replay"]["max_prompt_tokens"] <= 120
     assert os.path.exists(tmp_path / "soak.png")
+
+
+def test_results_keep_series_on_one_line():
+    """Reports stay readable in review: a series is one line, the structure stays indented,
+    and the file reads back as what was written."""
+    from benchmarks.common import dumps
+    result = {"samples": {"rss": list(range(500)), "tags": ["a [ b", "c\nd", None, "e ]"]},
+              "rows": [{"x": [1.5, 2.5], "y": {"z": True}}], "empty": []}
+    text = dumps(result)
+    assert json.loads(text) == result
+    assert text.count("\n") < 25
+    assert '"rss": [0, 1, 2,' in text and '"x": [1.5, 2.5]' in text
