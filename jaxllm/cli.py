@@ -104,6 +104,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--distributed-coordinator", default=None, help="host:port of process 0")
     g.add_argument("--num-processes", type=int, default=None)
     g.add_argument("--process-id", type=int, default=None)
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=None,
+                   help="engines (replicas) behind one front end, each on its own devices: a "
+                        "GPU each, or a share of the CPU cores (default 1)")
+    g.add_argument("--data-parallel-backend", default=None, choices=["ray"],
+                   help="what runs the replicas: Ray actors (the only backend)")
+    g.add_argument("--data-parallel-address", default=None, metavar="auto|HOST:PORT",
+                   help="join this running Ray cluster (\"auto\": the one on this machine) "
+                        "instead of starting one here")
+    g.add_argument("--routing-policy", default=None, choices=["prefix", "round_robin", "least_loaded"],
+                   help="how replicas are chosen: prefix (default: the replica holding the "
+                        "longest cached prefix, balanced by load), round_robin, least_loaded")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="automatic prefix caching (default on)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,

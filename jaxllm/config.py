@@ -13,6 +13,7 @@ from jaxllm.spec_decode.config import SpeculativeConfig
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 LOAD_FORMATS = ("auto", "dummy")
 ATTENTION_BACKENDS = ("auto", "pallas", "cpu", "xla")
+ROUTING_POLICIES = ("prefix", "round_robin", "least_loaded")  # jaxllm.distributed.router
 
 
 def _positive(name: str, value) -> None:
@@ -89,6 +90,14 @@ class EngineConfig:
     distributed_coordinator: str | None = None
     num_processes: int = 1
     process_id: int = 0
+    # data-parallel replicas (jaxllm.distributed): this many engines, each on its own devices
+    # (a GPU each, or a share of the CPU cores), started as Ray actors behind one front end
+    # that routes each request by `routing_policy`; `data_parallel_address` joins a running
+    # Ray cluster ("auto" or host:port) instead of starting one on this machine
+    data_parallel_size: int = 1
+    data_parallel_backend: str = "ray"
+    data_parallel_address: str | None = None
+    routing_policy: str = "prefix"
     enable_prefix_caching: bool = True
     # the host schedules step N+1 while the device runs step N (outputs are identical)
     async_scheduling: bool = True
@@ -148,7 +157,7 @@ class EngineConfig:
         validate_kv_dtype(self.kv_cache_dtype)
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
-        for name in ("tensor_parallel_size", "num_processes"):
+        for name in ("tensor_parallel_size", "num_processes", "data_parallel_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         if not 0 <= self.process_id < self.num_processes:
@@ -159,6 +168,15 @@ class EngineConfig:
         if self.num_processes > 1 and self.preemption_mode == "swap":
             raise ValueError("preemption_mode='swap' is not supported across processes; "
                              "use 'recompute'")
+        if self.data_parallel_backend != "ray":
+            raise ValueError(f"data_parallel_backend must be 'ray' (replicas run as Ray actors), "
+                             f"got {self.data_parallel_backend!r}")
+        if self.routing_policy not in ROUTING_POLICIES:
+            raise ValueError(f"routing_policy must be one of {ROUTING_POLICIES}, "
+                             f"got {self.routing_policy!r}")
+        if self.data_parallel_size > 1 and self.num_processes > 1:
+            raise ValueError("data_parallel_size > 1 does not combine with num_processes > 1: "
+                             "each replica is one process (use tensor_parallel_size inside it)")
         for name in ("token_buckets", "seq_buckets"):
             _buckets(name, getattr(self, name))
         for name in ("max_model_len", "block_size", "num_gpu_blocks_override",

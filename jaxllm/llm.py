@@ -38,7 +38,12 @@ class LLM:
             config = EngineConfig(model=model, **engine_args)
         elif model is not None or engine_args:
             raise ValueError("pass either config or model/engine arguments, not both")
-        self.llm_engine = LLMEngine(config)
+        if config.data_parallel_size > 1:  # replicas on Ray (jaxllm.distributed)
+            from jaxllm.distributed.data_parallel import DataParallelLLMEngine
+            self.llm_engine = DataParallelLLMEngine(config)
+            atexit.register(self.llm_engine.shutdown)
+        else:
+            self.llm_engine = LLMEngine(config)
         self._counter = itertools.count()
         if self.llm_engine.is_follower:
             # multi-process: the same script runs everywhere; only process 0 generates, the

@@ -86,10 +86,17 @@ class OpenAIServer:
         self.tool_parser = (get_parser(server_config.tool_call_parser)
                             if server_config.tool_call_parser else None)
         self.metrics = Metrics(server_config.served_model_name)
-        self.engine = AsyncEngine(engine_config, on_step=self.metrics.on_step,
-                                  on_fail=self._engine_failed,
-                                  lora_modules=server_config.lora_modules,
-                                  model_names=[server_config.served_model_name])
+        if engine_config.data_parallel_size > 1:  # replicas on Ray behind a router
+            from jaxllm.distributed.data_parallel import DataParallelEngine
+            self.engine = DataParallelEngine(engine_config, hooks=self.metrics,
+                                             on_fail=self._engine_failed,
+                                             lora_modules=server_config.lora_modules,
+                                             model_names=[server_config.served_model_name])
+        else:
+            self.engine = AsyncEngine(engine_config, on_step=self.metrics.on_step,
+                                      on_fail=self._engine_failed,
+                                      lora_modules=server_config.lora_modules,
+                                      model_names=[server_config.served_model_name])
         # the adapters served, by name (the engine thread owns the registry; this mirrors it)
         self.loras = {lr.lora_name: lr for lr in server_config.lora_modules}
         self.lora_lock = asyncio.Lock()
@@ -329,9 +336,11 @@ class OpenAIServer:
 
     # small endpoints
     async def health(self, request: Request):
-        if self.engine.error is not None:  # as vLLM: a dead engine is a server error
-            return JSONResponse({"status": "error", "error": str(self.engine.error)}, status_code=500)
-        return JSONResponse({"status": "ok"})
+        """As vLLM: a dead engine is a server error. With replicas, "degraded" (some are
+        restarting or dead) still serves; "unavailable" (none up yet) is a 503."""
+        body = self.engine.health()
+        code = {"error": 500, "unavailable": 503}.get(body["status"], 200)
+        return JSONResponse(body, status_code=code)
 
     async def health_ready(self, request: Request):
         if self.engine.is_ready:

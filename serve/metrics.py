@@ -85,6 +85,10 @@ class Metrics:
         self._last = {}
         self._spec = None  # speculative decoding counters, made once the engine is known
         self._stats: dict | None = None  # the engine's counters after its last step
+        self._replicas = None  # per-replica series, made when replicas first report
+        self._replica_states: list[dict] | None = None
+        self._window_routed: dict[int, int] = {}
+        self._window_hits: dict[int, tuple[int, int]] = {}
         self._lock = threading.Lock()
         # for the periodic log line
         self._window_prompt = 0
@@ -93,7 +97,13 @@ class Metrics:
 
     def on_step(self, engine, outputs, elapsed: float) -> None:
         """Called by the engine thread after every step."""
-        s = self._stats = engine.stats()
+        spec = engine.config.speculative_config
+        self.observe_stats(engine.stats(), engine.config.max_model_len,
+                           spec.num_speculative_tokens if spec is not None else 0)
+
+    def observe_stats(self, s: dict, max_model_len: int, speculative_tokens: int = 0) -> None:
+        """The engine's counters (summed over the replicas when it has several)."""
+        self._stats = s
         self.running.set(s["num_requests_running"])
         self.waiting.set(s["num_requests_waiting"])
         self.kv_usage.set(s["kv_cache_usage_perc"])
@@ -102,7 +112,7 @@ class Metrics:
         with self._lock:
             self.peak_running.set(s["peak_running"])
             self.kv_total_slots.set(s["kv_total_slots"])
-            self.max_model_len.set(engine.config.max_model_len)
+            self.max_model_len.set(max_model_len)
             for key, metric in (("num_preemptions", self.preemptions),
                                 ("kv_slot_steps", self.kv_slot_steps),
                                 ("kv_waste_slot_steps", self.kv_waste_steps),
@@ -120,8 +130,72 @@ class Metrics:
                     self._window_prompt += delta
                 elif key == "generation_tokens":
                     self._window_gen += delta
-            if engine.config.speculative_config is not None:
-                self._observe_spec(s, engine.config.speculative_config.num_speculative_tokens)
+            if speculative_tokens:
+                self._observe_spec(s, speculative_tokens)
+
+    # data-parallel replicas (jaxllm.distributed): made on the first report of them
+    def _replica_metrics(self):
+        if self._replicas is None:
+            r, labels = self.registry, ["model_name", "replica"]
+            self._replicas = {
+                "up": Gauge("jaxllm:replica_up", "1 while the replica serves, 0 while it is "
+                            "restarting or dead.", labels, registry=r),
+                "restarts": Gauge("jaxllm:replica_restarts", "Times Ray restarted the replica.",
+                                  labels, registry=r),
+                "running": Gauge("jaxllm:replica_num_requests_running",
+                                 "Requests in the replica's running batch.", labels, registry=r),
+                "waiting": Gauge("jaxllm:replica_num_requests_waiting",
+                                 "Requests waiting in the replica.", labels, registry=r),
+                "kv": Gauge("jaxllm:replica_kv_cache_usage_perc",
+                            "The replica's KV-cache usage; 1 means 100 percent.", labels, registry=r),
+                "routed": Counter("jaxllm:router_requests", "Requests the router sent to the "
+                                  "replica, by why it was chosen: prefix (the longest cached "
+                                  "prefix), balance (a longer prefix sat on a busier replica), "
+                                  "least_loaded (cached nowhere), round_robin.",
+                                  [*labels, "reason"], registry=r),
+                "expected": Counter("jaxllm:router_expected_cached_tokens", "Prompt tokens the "
+                                    "router expected the replica to hold in its prefix cache.",
+                                    labels, registry=r),
+                "queries": Counter("jaxllm:router_prompt_tokens", "Prompt tokens of finished "
+                                   "requests, per replica.", labels, registry=r),
+                "hits": Counter("jaxllm:router_cached_tokens", "Of those, the tokens the "
+                                "replica found in its prefix cache (the hit rate is their ratio).",
+                                labels, registry=r),
+                "failed": Counter("jaxllm:replica_failed_requests", "Requests whose replica died "
+                                  "under them, by what became of them: resent (nothing streamed "
+                                  "yet) or failed.", [*labels, "outcome"], registry=r),
+            }
+        return self._replicas
+
+    def observe_replicas(self, states: list[dict]) -> None:
+        m = self._replica_metrics()
+        self._replica_states = states
+        for s in states:
+            i = str(s["replica"])
+            m["up"].labels(self.model_name, i).set(1 if s["state"] == "up" else 0)
+            m["restarts"].labels(self.model_name, i).set(s["restarts"])
+            m["running"].labels(self.model_name, i).set(s["num_requests_running"])
+            m["waiting"].labels(self.model_name, i).set(s["num_requests_waiting"])
+            m["kv"].labels(self.model_name, i).set(s["kv_cache_usage_perc"])
+
+    def routed(self, decision) -> None:
+        m, i = self._replica_metrics(), str(decision.replica)
+        m["routed"].labels(self.model_name, i, decision.reason).inc()
+        with self._lock:
+            self._window_routed[decision.replica] = self._window_routed.get(decision.replica, 0) + 1
+
+    def route_finished(self, decision, prompt_tokens: int, cached_tokens: int) -> None:
+        m, i = self._replica_metrics(), str(decision.replica)
+        m["expected"].labels(self.model_name, i).inc(min(decision.cached_tokens, prompt_tokens))
+        m["queries"].labels(self.model_name, i).inc(prompt_tokens)
+        m["hits"].labels(self.model_name, i).inc(cached_tokens)
+        with self._lock:
+            q, h = self._window_hits.get(decision.replica, (0, 0))
+            self._window_hits[decision.replica] = (q + prompt_tokens, h + cached_tokens)
+
+    def replica_failed(self, replica: int, resent: bool) -> None:
+        self._replica_metrics()["failed"].labels(self.model_name, str(replica),
+                                                 "resent" if resent else "failed").inc()
 
     def _observe_spec(self, s: dict, k: int) -> None:
         """vLLM's spec_decode counters: verifications (drafts), proposed and accepted tokens,
@@ -244,5 +318,16 @@ class Metrics:
             drafts, accepted = s["spec_decode_num_drafts"], s["spec_decode_num_accepted_tokens"]
             line += (f"; SpecDecoding: mean acceptance length {1 + accepted / drafts:.2f}, "
                      f"draft acceptance rate {100 * accepted / max(s['spec_decode_num_draft_tokens'], 1):.1f}%")
+        if self._replica_states is not None:
+            with self._lock:
+                routed, hits = self._window_routed, self._window_hits
+                self._window_routed, self._window_hits = {}, {}
+            parts = []
+            for r in self._replica_states:
+                i = r["replica"]
+                q, h = hits.get(i, (0, 0))
+                parts.append(f"{i} {r['state']} (routed {routed.get(i, 0)}, prefix hits "
+                             + (f"{100 * h / q:.0f}%" if q else "-") + ")")
+            line += "; Replicas: " + ", ".join(parts)
         logger.info(line)
         return line

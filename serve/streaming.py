@@ -11,6 +11,7 @@ from typing import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
+from jaxllm.engine.async_engine import RequestLostError
 from serve.errors import APIError, bad_request, error_body, field_of
 
 
@@ -42,9 +43,8 @@ def event_stream(events) -> DisconnectAwareStreamingResponse:
 class RequestFailed(APIError):
     """The engine failed a step that ran this request (the engine itself goes on)."""
 
-    def __init__(self, message: str):
-        super().__init__(500, f"the request failed: {message}", type="server_error",
-                         code="step_failed")
+    def __init__(self, message: str, code: str = "step_failed"):
+        super().__init__(500, f"the request failed: {message}", type="server_error", code=code)
 
 
 class Outputs:
@@ -61,7 +61,11 @@ class Outputs:
         return self
 
     async def __anext__(self):
-        out = await self._it.__anext__()
+        try:
+            out = await self._it.__anext__()
+        except RequestLostError as e:
+            self.finished = True
+            raise RequestFailed(str(e), code="replica_failed") from None
         metrics = self.server.metrics
         now = time.monotonic()
         if self._last is not None:

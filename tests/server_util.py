@@ -51,3 +51,26 @@ def stop(proc) -> None:
 # the server tests' engine: small, with few step shapes, so that they compile quickly
 SERVER_ENGINE = ["--max-model-len", "256", "--max-num-seqs", "16", "--max-num-batched-tokens", "128",
                  "--token-buckets", "16,128", "--seq-buckets", "8,16"]
+
+
+def wait_for(fn, timeout: float = 60.0, every: float = 0.05, what: str = "the condition"):
+    """fn()'s first truthy result, polled until `timeout` seconds have passed."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = fn()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(every)
+
+
+def metric(base: str, name: str, **labels) -> float:
+    """The sum of the `jaxllm:{name}` series whose labels include `labels`, from /metrics."""
+    text = httpx.get(base + "/metrics").text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(f"jaxllm:{name}") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            if line.split("{")[0].split(" ")[0] == f"jaxllm:{name}":
+                total += float(line.rsplit(" ", 1)[1])
+    return total

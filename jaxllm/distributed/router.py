@@ -1,4 +1,4 @@
-"""Which replica serves a request. Plain Python, no JAX.
+"""Which replica serves a request (plain Python: it runs no JAX).
 
 `prefix` (the default) sends a request where its prompt's longest prefix is likely cached:
 the router keys the prompt's full blocks as the prefix cache does (core.kv_cache_manager's
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from jaxllm.core.kv_cache_manager import block_key
 
-POLICIES = ("prefix", "round_robin", "least_loaded")
+from jaxllm.config import ROUTING_POLICIES as POLICIES
 
 
 @dataclass
@@ -34,6 +34,7 @@ class Decision:
     cached_blocks: int        # blocks of the prompt the router believes the replica holds
     prompt_blocks: int
     life: int = 0             # which life of the replica it went to (see Router.finished)
+    cached_tokens: int = 0    # cached_blocks in tokens
 
 
 @dataclass
@@ -98,14 +99,15 @@ class Router:
         r.alive = alive
 
     # routing
-    def route(self, token_ids: list[int], extra=None) -> Decision:
-        live = [i for i, r in enumerate(self.replicas) if r.alive]
+    def route(self, token_ids: list[int], extra=None, exclude=()) -> Decision:
+        """exclude: replicas not to pick (those a request already failed on)."""
+        live = [i for i, r in enumerate(self.replicas) if r.alive and i not in exclude]
         if not live:
             raise RuntimeError("no replica is alive")
         keys = self.keys(token_ids, extra)
         if self.policy == "round_robin":
             n = len(self.replicas)
-            i = next(j % n for j in range(self._next, self._next + n) if self.replicas[j % n].alive)
+            i = next(j % n for j in range(self._next, self._next + n) if j % n in live)
             self._next = i + 1
             decision = Decision(i, "round_robin", self.cached_blocks(i, keys), len(keys))
         elif self.policy == "least_loaded":
@@ -115,6 +117,7 @@ class Router:
             decision = self._by_prefix(live, keys)
         self._routed(decision.replica, keys, len(token_ids))
         decision.life = self.replicas[decision.replica].life
+        decision.cached_tokens = decision.cached_blocks * self.block_size
         return decision
 
     def _load(self, i: int) -> tuple:

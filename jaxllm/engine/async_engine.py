@@ -33,6 +33,11 @@ class EngineDeadError(RuntimeError):
     pass
 
 
+class RequestLostError(RuntimeError):
+    """The engine running a request went away under it (a data-parallel replica died after
+    the request had streamed output); the server and the other requests go on."""
+
+
 _warned: set[str] = set()
 
 
@@ -57,7 +62,80 @@ class _Stream:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
-class AsyncEngine:
+class EngineFront:
+    """What the server asks of an engine around its requests, shared by AsyncEngine and the
+    data-parallel front end (jaxllm.distributed): tokenizing, validating, chat templates and
+    token texts, in a small thread pool so that the event loop never waits on them.
+    Subclasses give `tokenizer`, `inputs` (an InputProcessor), `structured` (the grammar
+    manager) and `_pool`."""
+
+    _pool: ThreadPoolExecutor
+
+    def token_text(self, token_id: int) -> str:
+        tok = self.tokenizer
+        if tok is None:  # vLLM's spelling of a token it cannot show
+            return f"token_id:{token_id}"
+        texts = self.__dict__.setdefault("_token_texts", {})
+        text = texts.get(token_id)
+        if text is None:
+            text = texts[token_id] = tok.decode([token_id])
+        return text
+
+    async def _in_pool(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def tokenize(self, prompt) -> tuple[str | None, list[int], str | None]:
+        """(text, token ids, cache_salt) of a prompt (see InputProcessor.tokenize)."""
+        return await self._in_pool(self.inputs.tokenize, prompt)
+
+    async def process(self, prompt, params: SamplingParams, lora_request=None) -> EngineRequest:
+        """Validate a prompt with its parameters (tokenizing what needs it) for submit(). A
+        structured-output constraint is compiled here (on the grammar thread, or found in its
+        cache), so a grammar that fails is the caller's error and the request reaches the
+        engine ready to run."""
+        req = await self._in_pool(self.inputs.process, prompt, params, lora_request)
+        if req.grammar is not None:
+            await asyncio.wrap_future(self.structured.compile(req.grammar))
+        return req
+
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return await self._in_pool(lambda: self.tokenizer.encode(
+            text, add_special_tokens=add_special_tokens))
+
+    async def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return await self._in_pool(lambda: self.tokenizer.decode(
+            ids, skip_special_tokens=skip_special_tokens))
+
+    async def count_tokens(self, texts: list[str]) -> list[int]:
+        """Each text's tokens (no special tokens added)."""
+        return await self._in_pool(lambda: [len(self.tokenizer.encode(t, add_special_tokens=False))
+                                            for t in texts])
+
+    async def render_chat(self, messages: list[dict], add_generation_prompt: bool,
+                          continue_final_message: bool, chat_template: str | None,
+                          tools: list[dict] | None = None) -> list[int]:
+        """The chat template applied and tokenized (`tools`: function definitions, for the
+        templates that describe them to the model). Template errors are ValueErrors."""
+        def render():
+            tok = self.tokenizer
+            if tools and "tools" not in (chat_template or tok.chat_template or ""):
+                _warn_once("the chat template does not render tools: the model does not see "
+                           "their definitions (forced tool calls still follow their schemas)")
+            try:
+                text = tok.apply_chat_template(
+                    messages, tokenize=False, chat_template=chat_template, tools=tools,
+                    add_generation_prompt=add_generation_prompt and not continue_final_message,
+                    continue_final_message=continue_final_message)
+            except ImportError:
+                raise
+            except Exception as e:  # the template's own errors are the caller's input errors
+                raise ValueError(f"messages: the chat template failed: {e}") from None
+            return tok.encode(text, add_special_tokens=False)
+        return await self._in_pool(render)
+
+
+
+class AsyncEngine(EngineFront):
     def __init__(self, config: EngineConfig,
                  on_step: Callable[[LLMEngine, list, float], None] | None = None,
                  on_fail: Callable[[BaseException], None] | None = None,
@@ -186,6 +264,14 @@ class AsyncEngine:
         return self.engine.tokenizer
 
     @property
+    def inputs(self):
+        return self.engine.inputs
+
+    @property
+    def structured(self):
+        return self.engine.structured
+
+    @property
     def max_model_len(self) -> int:
         return self.engine.config.max_model_len
 
@@ -197,29 +283,11 @@ class AsyncEngine:
     def eos_token_id(self) -> int | None:
         return self.engine.eos_token_id
 
-    def token_text(self, token_id: int) -> str:
-        if self.engine.tokenizer is None:  # vLLM's spelling of a token it cannot show
-            return f"token_id:{token_id}"
-        return self.engine.token_text(token_id) or ""
-
-    # tokenization, off the event loop
-    async def _in_pool(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
-
-    async def tokenize(self, prompt) -> tuple[str | None, list[int], str | None]:
-        """(text, token ids, cache_salt) of a prompt (see InputProcessor.tokenize)."""
-        return await self._in_pool(self.engine.inputs.tokenize, prompt)
-
-    async def process(self, prompt, params: SamplingParams, lora_request=None) -> EngineRequest:
-        """Validate a prompt with its parameters (tokenizing what needs it) for submit(). A
-        structured-output constraint is compiled here (on the engine's grammar thread, or
-        found in its cache), so a grammar that fails is the caller's error and the request
-        reaches the engine ready to run."""
-        req = await self._in_pool(self.engine.process_inputs, prompt, params,
-                                     lora_request)
-        if req.grammar is not None:
-            await asyncio.wrap_future(self.engine.structured.compile(req.grammar))
-        return req
+    def health(self) -> dict:
+        """/health's body: one engine is up or not (see the data-parallel front end)."""
+        if self.error is not None:
+            return {"status": "error", "error": str(self.error)}
+        return {"status": "ok"}
 
     # LoRA adapters at run time
     async def on_engine(self, fn):
@@ -247,41 +315,6 @@ class AsyncEngine:
 
     async def remove_lora(self, lora_int_id: int) -> bool:
         return await self.on_engine(lambda e: e.remove_lora(lora_int_id))
-
-    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return await self._in_pool(lambda: self.tokenizer.encode(
-            text, add_special_tokens=add_special_tokens))
-
-    async def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
-        return await self._in_pool(lambda: self.tokenizer.decode(
-            ids, skip_special_tokens=skip_special_tokens))
-
-    async def count_tokens(self, texts: list[str]) -> list[int]:
-        """Each text's tokens (no special tokens added)."""
-        return await self._in_pool(lambda: [len(self.tokenizer.encode(t, add_special_tokens=False))
-                                            for t in texts])
-
-    async def render_chat(self, messages: list[dict], add_generation_prompt: bool,
-                          continue_final_message: bool, chat_template: str | None,
-                          tools: list[dict] | None = None) -> list[int]:
-        """The chat template applied and tokenized (`tools`: function definitions, for the
-        templates that describe them to the model). Template errors are ValueErrors."""
-        def render():
-            tok = self.tokenizer
-            if tools and "tools" not in (chat_template or tok.chat_template or ""):
-                _warn_once("the chat template does not render tools: the model does not see "
-                           "their definitions (forced tool calls still follow their schemas)")
-            try:
-                text = tok.apply_chat_template(
-                    messages, tokenize=False, chat_template=chat_template, tools=tools,
-                    add_generation_prompt=add_generation_prompt and not continue_final_message,
-                    continue_final_message=continue_final_message)
-            except ImportError:
-                raise
-            except Exception as e:  # the template's own errors are the caller's input errors
-                raise ValueError(f"messages: the chat template failed: {e}") from None
-            return tok.encode(text, add_special_tokens=False)
-        return await self._in_pool(render)
 
     # requests
     def submit(self, request_id: str, request: EngineRequest,

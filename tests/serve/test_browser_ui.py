@@ -20,7 +20,7 @@ import pytest
 
 from browser_util import chromium, ensure_debian_packages
 from lora_util import make_adapter
-from server_util import free_port, start_server, stop
+from server_util import free_port, metric, start_server, stop, wait_for as wait
 
 pytestmark = pytest.mark.slow
 
@@ -71,27 +71,6 @@ def screenshot(driver, dirs, name):
 
 def client(base):
     return openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0)
-
-
-def wait(fn, timeout=60.0, every=0.05, what="the condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        got = fn()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(every)
-
-
-def metric(base, name, **labels) -> float:
-    text = httpx.get(base + "/metrics").text
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(f"jaxllm:{name}") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            if line.split("{")[0].split(" ")[0] == f"jaxllm:{name}":
-                total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def test_pages_are_small_self_contained_and_public(server):
