@@ -112,6 +112,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--data-parallel-address", default=None, metavar="auto|HOST:PORT",
                    help="join this running Ray cluster (\"auto\": the one on this machine) "
                         "instead of starting one here")
+    g.add_argument("--kv-transfer-config", default=None, metavar="JSON",
+                   help="disaggregated prefill/decode over the replicas, e.g. "
+                        "'{\"kv_connector\": \"RayObjectStoreConnector\", \"kv_role\": \"kv_both\", "
+                        "\"kv_connector_extra_config\": {\"prefill_replicas\": 1}}': the first "
+                        "replicas prefill, the others fetch the prompt's KV blocks and decode")
     g.add_argument("--routing-policy", default=None, choices=["prefix", "round_robin", "least_loaded"],
                    help="how replicas are chosen: prefix (default: the replica holding the "
                         "longest cached prefix, balanced by load), round_robin, least_loaded")

@@ -8,6 +8,7 @@ from jaxllm.kernels import MATMUL_BACKENDS
 from jaxllm.quantization import (validate_int4_activations, validate_int4_options, validate_method,
                                  validate_smoothquant)
 from jaxllm.quantization.kv import validate_kv_dtype
+from jaxllm.distributed.kv_transfer_config import KVTransferConfig
 from jaxllm.spec_decode.config import SpeculativeConfig
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -98,6 +99,11 @@ class EngineConfig:
     data_parallel_backend: str = "ray"
     data_parallel_address: str | None = None
     routing_policy: str = "prefix"
+    # disaggregated prefill/decode (jaxllm.distributed): vLLM's dict (or its JSON), e.g.
+    # {"kv_connector": "RayObjectStoreConnector", "kv_role": "kv_both",
+    #  "kv_connector_extra_config": {"prefill_replicas": 1}}: some replicas prefill, the
+    # others import the prompt's KV blocks and decode (served by `jaxllm serve`)
+    kv_transfer_config: KVTransferConfig | dict | str | None = None
     enable_prefix_caching: bool = True
     # the host schedules step N+1 while the device runs step N (outputs are identical)
     async_scheduling: bool = True
@@ -174,6 +180,18 @@ class EngineConfig:
         if self.routing_policy not in ROUTING_POLICIES:
             raise ValueError(f"routing_policy must be one of {ROUTING_POLICIES}, "
                              f"got {self.routing_policy!r}")
+        self.kv_transfer_config = KVTransferConfig.parse(self.kv_transfer_config)
+        if self.kv_transfer_config is not None:
+            if self.data_parallel_size < 2:
+                raise ValueError("kv_transfer_config needs data_parallel_size >= 2 (prefill "
+                                 "replicas and decode replicas)")
+            self.kv_transfer_config.num_prefill(self.data_parallel_size)
+            if not self.enable_prefix_caching:
+                raise ValueError("kv_transfer_config needs enable_prefix_caching: the decode "
+                                 "replicas find the moved blocks as prefix-cache hits")
+            if self.speculative_config is not None:
+                raise ValueError("kv_transfer_config does not combine with speculative_config "
+                                 "yet (the draft model's cache would have to move too)")
         if self.data_parallel_size > 1 and self.num_processes > 1:
             raise ValueError("data_parallel_size > 1 does not combine with num_processes > 1: "
                              "each replica is one process (use tensor_parallel_size inside it)")

@@ -38,6 +38,9 @@ class LLM:
             config = EngineConfig(model=model, **engine_args)
         elif model is not None or engine_args:
             raise ValueError("pass either config or model/engine arguments, not both")
+        if config.kv_transfer_config is not None:
+            raise ValueError("kv_transfer_config: disaggregated prefill/decode is served by "
+                             "`jaxllm serve`; offline, use data_parallel_size alone")
         if config.data_parallel_size > 1:  # replicas on Ray (jaxllm.distributed)
             from jaxllm.distributed.data_parallel import DataParallelLLMEngine
             self.llm_engine = DataParallelLLMEngine(config)

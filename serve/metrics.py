@@ -85,6 +85,7 @@ class Metrics:
         self._last = {}
         self._spec = None  # speculative decoding counters, made once the engine is known
         self._stats: dict | None = None  # the engine's counters after its last step
+        self._kv_transfer = None  # KV transfer counters, made when replicas report them
         self._replicas = None  # per-replica series, made when replicas first report
         self._replica_states: list[dict] | None = None
         self._window_routed: dict[int, int] = {}
@@ -132,6 +133,8 @@ class Metrics:
                     self._window_gen += delta
             if speculative_tokens:
                 self._observe_spec(s, speculative_tokens)
+            if "kv_transfer_received_bytes" in s:
+                self._observe_kv_transfer(s)
 
     # data-parallel replicas (jaxllm.distributed): made on the first report of them
     def _replica_metrics(self):
@@ -196,6 +199,25 @@ class Metrics:
     def replica_failed(self, replica: int, resent: bool) -> None:
         self._replica_metrics()["failed"].labels(self.model_name, str(replica),
                                                  "resent" if resent else "failed").inc()
+
+    def _observe_kv_transfer(self, s: dict) -> None:
+        """Disaggregated prefill/decode: KV blocks moved from prefill to decode replicas."""
+        if self._kv_transfer is None:
+            r, name = self.registry, self.model_name
+            self._kv_transfer = {key: Counter(f"jaxllm:{key}", doc, ["model_name"], registry=r).labels(name)
+                                 for key, doc in (
+                ("kv_transfer_received_blocks", "KV blocks decode replicas fetched from prefill replicas."),
+                ("kv_transfer_received_bytes", "Bytes of those blocks."),
+                ("kv_transfer_receive_seconds", "Time decode replicas spent fetching them."),
+                ("kv_transfer_imported_blocks", "Of the fetched blocks, those written into a "
+                 "decode replica's cache (the others were cached there already)."),
+                ("kv_transfer_failures", "Transfers that failed (the decode replica computed "
+                 "the prompt instead)."))}
+        for key, metric in self._kv_transfer.items():
+            delta = s[key] - self._last.get(key, 0)
+            if delta > 0:
+                metric.inc(delta)
+            self._last[key] = s[key]
 
     def _observe_spec(self, s: dict, k: int) -> None:
         """vLLM's spec_decode counters: verifications (drafts), proposed and accepted tokens,

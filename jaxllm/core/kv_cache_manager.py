@@ -16,6 +16,18 @@ def block_key(parent, tokens: tuple[int, ...], extra=None) -> tuple:
     return (hash(parent) if parent is not None else None, tokens, extra)
 
 
+def prefix_keys(token_ids, block_size: int, extra=None) -> list:
+    """The keys of the full blocks of `token_ids`, chained as block_hashes() chains a
+    request's (`extra`: its cache_extra). Keys hold Python hashes: each process computes its
+    own."""
+    keys: list = []
+    for i in range(len(token_ids) // block_size):
+        keys.append(block_key(keys[-1] if keys else None,
+                              tuple(token_ids[i * block_size:(i + 1) * block_size]),
+                              extra if i == 0 else None))
+    return keys
+
+
 class HostBlockPool:
     """Host-memory blocks for swap preemption: a plain free list."""
 
@@ -80,6 +92,31 @@ class KVCacheManager:
                 break
             hits.append(block)
         return hits, len(hits) * self.block_size
+
+    def cached_run(self, keys: list) -> list[int]:
+        """The blocks cached under `keys`, from the first up to the first one missing."""
+        out = []
+        for key in keys:
+            block = self.pool.lookup(key)
+            if block is None:
+                break
+            out.append(block)
+        return out
+
+    def adopt(self, keys: list) -> list[tuple[int, int]] | None:
+        """Blocks for the keys after the cached run (moved here from another engine's cache):
+        allocated, registered under their keys and released at once, so that they sit in the
+        prefix cache, the last to be evicted, until a request finds them. (index in keys,
+        block) for the caller to fill before any step runs; None when they do not fit."""
+        start = len(self.cached_run(keys))
+        need = len(keys) - start
+        if not self.enable_caching or need > self.pool.num_free_blocks:
+            return None
+        blocks = self.pool.allocate(need) if need else []
+        for key, block in zip(keys[start:], blocks):
+            self.pool.cache(block, key)
+        self.pool.free(list(reversed(blocks)))  # (free() walks its list backwards)
+        return list(zip(range(start, len(keys)), blocks))
 
     def record_prefix_lookup(self, request: Request, num_hit_tokens: int) -> None:
         """Counted once, when the request is admitted (a waiting request is looked up again

@@ -58,6 +58,16 @@ def _router_key(request: EngineRequest):
     return (request.cache_salt, lora.lora_name if lora is not None else None)
 
 
+def _prefill_request(request: EngineRequest) -> EngineRequest:
+    """What a prefill replica runs: the prompt, one greedy token (thrown away: the decode
+    replica computes the first token from the moved blocks)."""
+    from jaxllm.sampling_params import RequestOutputKind, SamplingParams
+    return EngineRequest(None, request.prompt_token_ids,
+                         SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
+                                        output_kind=RequestOutputKind.FINAL_ONLY),
+                         cache_salt=request.cache_salt, lora_request=request.lora_request)
+
+
 def _ray_errors():
     import ray.exceptions as rx
     return rx
@@ -71,10 +81,16 @@ class ReplicaSet:
         self.size = config.data_parallel_size
         # each replica is one plain engine
         self.replica_config = dataclasses.replace(config, data_parallel_size=1,
-                                                  data_parallel_address=None)
+                                                  data_parallel_address=None,
+                                                  kv_transfer_config=None)
         self.lora_modules = list(lora_modules)
         self.model_names = list(model_names)
         self.replicas: list[ReplicaState] = []
+        kv = config.kv_transfer_config
+        # disaggregated prefill/decode: the first replicas prefill, the others decode
+        num_prefill = kv.num_prefill(self.size) if kv is not None else 0
+        self.prefill_ids = tuple(range(num_prefill))
+        self.decode_ids = tuple(range(num_prefill, self.size)) if kv is not None else ()
         self._inited_ray = False  # this process connected to Ray (and started it, if not joined)
 
     def start(self) -> list[dict]:
@@ -88,7 +104,8 @@ class ReplicaSet:
                 ray.init(address=address, configure_logging=False, log_to_driver=True,
                          namespace="jaxllm")
             else:
-                ray.init(num_cpus=len(cores), include_dashboard=False, configure_logging=False,
+                ray.init(address="local", num_cpus=len(cores), include_dashboard=False,
+                         configure_logging=False,
                          log_to_driver=True, namespace="jaxllm")
             self._inited_ray = True
         local = not address
@@ -141,7 +158,8 @@ class ReplicaSet:
             r.info, r.incarnation, r.state = info, info["incarnation"], "up"
             infos.append(info)
         logger.info("replicas up: %s", "; ".join(
-            f"{i['index']} (pid {i['pid']} on {i['node']}, {i['startup_seconds']:.1f} s)" for i in infos))
+            f"{i['index']} ({self.role(i['index'])}, pid {i['pid']} on {i['node']}, "
+            f"{i['startup_seconds']:.1f} s)" for i in infos))
         return infos
 
     def handle(self, index: int):
@@ -149,6 +167,10 @@ class ReplicaSet:
 
     def live(self) -> list[int]:
         return [r.index for r in self.replicas if r.state == "up"]
+
+    def role(self, index: int) -> str:
+        return ("prefill" if index in self.prefill_ids else "decode" if index in self.decode_ids
+                else "both")
 
     def shutdown(self) -> None:
         import ray
@@ -402,7 +424,8 @@ class DataParallelEngine(EngineFront):
 
     def replica_states(self) -> list[dict]:
         routed = self.router.stats() if self.router is not None else [{}] * self.set.size
-        return [{"replica": r.index, "state": r.state, "restarts": r.restarts,
+        return [{"replica": r.index, "role": self.set.role(r.index), "state": r.state,
+                 "restarts": r.restarts,
                  "pid": (r.info or {}).get("pid"), "node": (r.info or {}).get("node"),
                  "num_requests_running": r.stats.get("num_requests_running", 0),
                  "num_requests_waiting": r.stats.get("num_requests_waiting", 0),
@@ -419,7 +442,8 @@ class DataParallelEngine(EngineFront):
         up = sum(s["state"] == "up" for s in states)
         status = "ok" if up == len(states) else "degraded" if up else "unavailable"
         return {"status": status, "replicas": [
-            {k: s[k] for k in ("replica", "state", "restarts", "pid", "node")} for s in states]}
+            {k: s[k] for k in ("replica", "role", "state", "restarts", "pid", "node")}
+            for s in states]}
 
     # LoRA adapters at run time: every replica gets them
     async def add_lora(self, lora_request) -> None:
@@ -446,17 +470,48 @@ class DataParallelEngine(EngineFront):
 
     def _launch(self, request_id: str, request: EngineRequest, priority: int,
                 exclude: tuple) -> _Running:
-        if not any(i not in exclude for i in self.set.live()):
+        """Route and send; with prefill replicas, a prefill first, whose KV blocks the
+        decode replica fetches from the object store before it runs the request."""
+        prefill, decode = self.set.prefill_ids, self.set.decode_ids
+        if not any(i not in exclude and i not in prefill for i in self.set.live()):
             raise EngineDeadError("no replica is up to run the request (restarting)")
-        decision = self.router.route(request.prompt_token_ids, _router_key(request), exclude)
+        kv = None
+        ids, key = request.prompt_token_ids, _router_key(request)
+        if (prefill and len(ids) > self.router.block_size and request.params.prompt_logprobs is None
+                and any(i in prefill for i in self.set.live())):
+            pd = self.router.route(ids, key, exclude=decode)
+            summary, payload = self.set.handle(pd.replica).prefill.options(num_returns=2).remote(
+                f"{request_id}#prefill", _prefill_request(request))
+            kv = [payload]
+            if self.hooks is not None:
+                self.hooks.routed(pd)
+            asyncio.ensure_future(self._prefilled(request_id, pd, summary))
+        decision = self.router.route(ids, key, exclude=(*exclude, *prefill))
         stream = self.set.handle(decision.replica).generate.options(
-            num_returns="streaming").remote(request_id, request, priority)
+            num_returns="streaming").remote(request_id, request, priority, kv)
         run = self._running[request_id] = _Running(decision, stream)
-        logger.debug("request %s -> replica %d (%s; %d of %d blocks cached)", request_id,
-                     decision.replica, decision.reason, decision.cached_blocks, decision.prompt_blocks)
+        logger.debug("request %s -> replica %d (%s; %d of %d blocks cached)%s", request_id,
+                     decision.replica, decision.reason, decision.cached_blocks,
+                     decision.prompt_blocks, " after a prefill" if kv else "")
         if self.hooks is not None:
             self.hooks.routed(decision)
         return run
+
+    async def _prefilled(self, request_id: str, decision: Decision, summary_ref) -> None:
+        """A prefill's end: its replica's load and cache hits; a failure is the decode
+        replica's to handle (it computes the prompt itself)."""
+        try:
+            summary = await summary_ref
+        except Exception as e:
+            self.router.finished(decision)
+            logger.error("the prefill of request %s on replica %d failed: %s", request_id,
+                         decision.replica, describe_error(e))
+            return
+        cached = summary["num_cached_tokens"]
+        self.router.finished(decision, cached)
+        if self.hooks is not None:
+            self.hooks.route_finished(decision, summary["prompt_tokens"],
+                                      cached)
 
     async def _outputs(self, request_id: str, request: EngineRequest,
                        priority: int) -> AsyncIterator[RequestOutput]:
@@ -487,7 +542,8 @@ class DataParallelEngine(EngineFront):
                     error = e
                 replica = run.decision.replica
                 self._replica_down(self.set.replicas[replica], "restarting", error)
-                resend = not streamed and any(i not in tried for i in self.set.live())
+                resend = not streamed and any(i not in tried and i not in self.set.prefill_ids
+                                              for i in self.set.live())
                 if self.hooks is not None:
                     self.hooks.replica_failed(replica, resend)
                 if not resend:

@@ -35,6 +35,11 @@ class Replica:
         self.started = time.time()
         self._stats: dict | None = None
         self._steps = 0
+        # KV transfer (disaggregated prefill/decode): what this replica sent and received
+        self.kv = {"kv_transfer_sent_blocks": 0, "kv_transfer_sent_bytes": 0,
+                   "kv_transfer_received_blocks": 0, "kv_transfer_received_bytes": 0,
+                   "kv_transfer_imported_blocks": 0, "kv_transfer_receive_seconds": 0.0,
+                   "kv_transfer_failures": 0}
         self.engine = AsyncEngine(config, on_step=self._on_step, on_fail=self._on_fail,
                                   lora_modules=lora_modules, model_names=model_names)
         self.engine.start()
@@ -70,11 +75,49 @@ class Replica:
     def stats(self) -> dict:
         """The engine's counters after its last step, and this life's identity."""
         return {"incarnation": self.incarnation, "alive": self.engine.error is None,
-                "steps": self._steps, **(self._stats or {})}
+                "steps": self._steps, **(self._stats or {}), **self.kv}
 
-    async def generate(self, request_id: str, request, priority: int = 0):
+    async def generate(self, request_id: str, request, priority: int = 0, kv=None):
+        """The request's outputs as they are made. kv: [ObjectRef of a producer's prefill()
+        payload] (in a list, so that Ray hands over the reference and the fetch happens
+        here, where a failure falls back to computing the prompt)."""
+        if kv:
+            await self._receive(request_id, request, kv[0])
         async for out in self.engine.submit(request_id, request, priority):
             yield out
+
+    async def _receive(self, request_id: str, request, ref) -> None:
+        from jaxllm.distributed.kv_transfer import import_prefix
+        start = time.perf_counter()
+        try:
+            payload = await ref
+            self.kv["kv_transfer_receive_seconds"] += time.perf_counter() - start
+            written = await self.engine.on_engine(lambda e: import_prefix(
+                e, request.prompt_token_ids, payload, request.cache_salt, request.lora_request))
+        except Exception as e:  # the prompt is computed here instead
+            self.kv["kv_transfer_failures"] += 1
+            logger.error("replica %d: the KV transfer of request %s failed (%s: %s); its prompt "
+                         "is computed here instead", self.index, request_id, type(e).__name__, e)
+            return
+        self.kv["kv_transfer_received_blocks"] += payload["num_blocks"]
+        self.kv["kv_transfer_received_bytes"] += payload["nbytes"]
+        self.kv["kv_transfer_imported_blocks"] += written
+
+    async def prefill(self, request_id: str, request):
+        """Producer: run the request (its max_tokens set to 1 by the front end) and return
+        (a small summary, the payload of its prompt's KV blocks): two objects, so that the
+        front end reads the summary while the payload goes from here to the consumer."""
+        from jaxllm.distributed.kv_transfer import export_prefix
+        out = None
+        async for out in self.engine.submit(request_id, request):
+            pass
+        payload = await self.engine.on_engine(lambda e: export_prefix(
+            e, request.prompt_token_ids, request.cache_salt, request.lora_request))
+        self.kv["kv_transfer_sent_blocks"] += payload["num_blocks"]
+        self.kv["kv_transfer_sent_bytes"] += payload["nbytes"]
+        summary = {k: v for k, v in payload.items() if k != "values"}
+        summary["num_cached_tokens"] = max(out.num_cached_tokens, 0) if out is not None else 0
+        return summary, payload
 
     async def run_batch(self, items: list) -> list:
         """Offline: every (request_id, request) run to its final output, in order."""

@@ -96,6 +96,39 @@ class BlockOps:
             cache = self._scatter(cache, dst, vals)
         return cache
 
+    def read(self, cache, blocks: list[int]) -> list[np.ndarray]:
+        """The contents of device blocks, per cache array [len(blocks), L, 2, KVH, bs, ...]
+        (what another engine's write() takes)."""
+        out = [np.empty((len(blocks), *x.shape[:3], self.block_size, *x.shape[4:]), np.dtype(x.dtype))
+               for x in self._leaves]
+        for i in range(0, len(blocks), GROUP):
+            chunk = blocks[i:i + GROUP]
+            idx = np.zeros(GROUP, np.int32)
+            idx[:len(chunk)] = chunk
+            for dst, vals in zip(out, jax.tree.leaves(self._gather(cache, idx))):
+                dst[i:i + len(chunk)] = np.asarray(vals)[:len(chunk)]
+        return out
+
+    def write(self, cache, blocks: list[int], values: list[np.ndarray]):
+        """Device blocks filled from read()'s arrays (one row per block)."""
+        if len(values) != len(self._leaves) or any(
+                v.shape[1:] != (*x.shape[:3], self.block_size, *x.shape[4:]) or v.dtype != np.dtype(x.dtype)
+                for v, x in zip(values, self._leaves)):
+            raise ValueError("the KV blocks do not match this cache's layout (model, block size "
+                             "or cache dtype differ)")
+        oob = self.num_slots // self.block_size
+        for i in range(0, len(blocks), GROUP):
+            n = min(GROUP, len(blocks) - i)
+            idx = np.full(GROUP, oob, np.int32)
+            idx[:n] = blocks[i:i + n]
+            vals = []
+            for v in values:
+                pad = np.zeros((GROUP, *v.shape[1:]), v.dtype)
+                pad[:n] = v[i:i + n]
+                vals.append(pad)
+            cache = self._scatter(cache, idx, jax.tree.unflatten(self._treedef, vals))
+        return cache
+
     def copy(self, cache, pairs: list[tuple[int, int]]):
         """(src, dst) device block pairs."""
         oob = self.num_slots // self.block_size
