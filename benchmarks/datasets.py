@@ -79,9 +79,10 @@ def sharegpt_file(path: str, tokenizer, num: int, max_len: int, seed: int) -> li
 
 @dataclass
 class ChatWorkload:
-    """Conversations that share a system prompt; turn t's prompt is the whole conversation
-    so far, so each turn extends the previous one (the runner appends model replies)."""
-    system: list[int]
+    """Conversations that share a system prompt (one per tenant: conversation c belongs to
+    tenant c % tenants); turn t's prompt is the whole conversation so far, so each turn
+    extends the previous one (the runner appends model replies)."""
+    systems: list[list[int]]  # one per tenant
     user_turns: list[list[list[int]]]  # [conversation][turn] -> user message tokens
     output_len: int
 
@@ -89,12 +90,19 @@ class ChatWorkload:
     def num_turns(self) -> int:
         return len(self.user_turns[0])
 
+    @property
+    def system(self) -> list[int]:
+        return self.systems[0]
+
+    def system_of(self, conversation: int) -> list[int]:
+        return self.systems[conversation % len(self.systems)]
+
 
 def prefix_chat(src: TokenSource, num_conversations: int, turns: int, system_len: int,
-                user_len: int, output_len: int) -> ChatWorkload:
-    system = src.tokens(system_len)
+                user_len: int, output_len: int, tenants: int = 1) -> ChatWorkload:
+    systems = [src.tokens(system_len) for _ in range(tenants)]
     users = [[src.tokens(user_len) for _ in range(turns)] for _ in range(num_conversations)]
-    return ChatWorkload(system, users, output_len)
+    return ChatWorkload(systems, users, output_len)
 
 
 # Copy-heavy requests: the answer repeats long spans of the prompt (an edit that returns the

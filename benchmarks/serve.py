@@ -33,6 +33,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     w.add_argument("--random-range-ratio", type=float, default=0.0)
     w.add_argument("--num-turns", type=int, default=3, help="prefix-chat: turns per conversation")
     w.add_argument("--system-len", type=int, default=256, help="prefix-chat: shared system prompt")
+    w.add_argument("--num-tenants", type=int, default=1, help="prefix-chat: tenants, each with "
+                   "its own system prompt shared by its conversations")
     w.add_argument("--tokenizer", default=None, help="HF directory or GGUF file: vocabulary "
                    "for random prompts and the encoder for --dataset-path")
     w.add_argument("--vocab-size", type=int, default=32000, help="without --tokenizer")
@@ -59,6 +61,7 @@ class Outcome:
     e2e: float = 0.0
     itl: list[float] = field(default_factory=list)
     error: str = ""
+    cached_tokens: int = 0
 
 
 def build_workload(args) -> list[list[datasets.Sample]]:
@@ -86,10 +89,11 @@ def build_workload(args) -> list[list[datasets.Sample]]:
             samples = datasets.sharegpt_like(src, args.num_prompts, args.max_model_len)
         return [[s] for s in samples]
     chat = datasets.prefix_chat(src, args.num_prompts, args.num_turns, args.system_len,
-                                args.random_input_len, args.random_output_len)
+                                args.random_input_len, args.random_output_len,
+                                getattr(args, "num_tenants", 1))
     chains = []
-    for users in chat.user_turns:
-        history, chain = list(chat.system), []
+    for c, users in enumerate(chat.user_turns):
+        history, chain = list(chat.system_of(c)), []
         for user in users:
             history += user
             chain.append(datasets.Sample(list(history), chat.output_len))
@@ -119,6 +123,8 @@ async def one_request(client, url: str, model: str, sample: datasets.Sample, ign
                 if data.get("usage"):
                     out.output_tokens = data["usage"]["completion_tokens"]
                     out.prompt_tokens = data["usage"]["prompt_tokens"]
+                    details = data["usage"].get("prompt_tokens_details") or {}
+                    out.cached_tokens = details.get("cached_tokens") or 0
                 # a chunk with a choice carries new tokens (a model without a tokenizer streams
                 # them with empty text)
                 if data.get("choices"):
@@ -178,6 +184,8 @@ def summarize(outcomes: list[Outcome], duration: float) -> dict:
         "duration_s": duration, "request_throughput": len(ok) / duration,
         "output_throughput": out_tokens / duration, "total_token_throughput": (in_tokens + out_tokens) / duration,
         "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
+        # prompt tokens the server found in its prefix cache (its usage's cached_tokens)
+        "cached_token_fraction": sum(o.cached_tokens for o in ok) / in_tokens if in_tokens else 0.0,
         "ttft_ms": ms([o.ttft for o in ok]), "tpot_ms": ms(tpot),
         "itl_ms": ms([x for o in ok for x in o.itl]), "e2e_ms": ms([o.e2e for o in ok]),
         "_ttft_all": [o.ttft for o in ok], "_tpot_all": tpot,
@@ -192,6 +200,7 @@ def print_report(r: dict, concurrency) -> None:
     print(f"{'Request throughput (req/s):':<40}{r['request_throughput']:>12.2f}")
     print(f"{'Output token throughput (tok/s):':<40}{r['output_throughput']:>12.2f}")
     print(f"{'Total token throughput (tok/s):':<40}{r['total_token_throughput']:>12.2f}")
+    print(f"{'Cached prompt tokens (fraction):':<40}{r['cached_token_fraction']:>12.3f}")
     for name in ("ttft", "tpot", "itl", "e2e"):
         s = r[f"{name}_ms"]
         print(f"{name.upper() + ' mean / median / p99 (ms):':<40}{s['mean']:>10.2f} {s['median']:>10.2f} {s['p99']:>10.2f}")
@@ -253,6 +262,7 @@ def run(args) -> int:
         runs.append(report)
     result = {"base_url": args.base_url, "model": model,
               "workload": {"dataset": args.dataset_name, "num_prompts": args.num_prompts,
+                           "num_turns": args.num_turns, "num_tenants": args.num_tenants,
                            "random_input_len": args.random_input_len,
                            "random_output_len": args.random_output_len,
                            "request_rate": args.request_rate, "seed": args.seed},

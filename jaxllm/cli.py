@@ -380,6 +380,10 @@ def main(argv=None) -> int:
             ("serve", "serve", "online load against an OpenAI-compatible server", False),
             ("serve-peer", "serve_peer", "jaxllm serve against vLLM's server through vLLM's "
              "bench serve client", False),
+            ("replicas", "replicas", "data-parallel replicas: prefix-aware routing against round "
+             "robin, 2 replicas against 1, prefill/decode split against colocated", False),
+            ("kv-transport", "kv_transport", "moving KV blocks between processes: Ray's object "
+             "store, Mooncake's transfer engine, NIXL", False),
             ("soak", "soak", "minutes of mixed traffic and injected faults against a real "
              "server: lost requests, leaks, RSS, latency over time", False),
             ("web", "web_ui", "the chat page and dashboard in headless Chromium: page weight, "

@@ -367,7 +367,12 @@ class OpenAIServer:
                 "max_model_len": self.engine.max_model_len if self.engine.is_ready else None,
                 "kv_total_slots": stats.get("kv_total_slots"),
                 "max_lora": stats.get("max_lora"),
-                "speculative": self.metrics.speculative}
+                "speculative": self.metrics.speculative,
+                # data-parallel replicas: index and role of each (None: one engine)
+                "replicas": ([{"replica": r["replica"], "role": r["role"]}
+                              for r in self.engine.replica_states()]
+                             if hasattr(self.engine, "replica_states") and self.engine.is_ready
+                             else None)}
 
     async def dashboard_data(self, request: Request):
         since = request.query_params.get("since")

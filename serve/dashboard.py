@@ -1,7 +1,7 @@
 """The live dashboard's feed: once a second the server's Prometheus registry (the counters
 `/metrics` serves, so there is no second bookkeeping) is read and turned into one point of the
 charts: gauges as they are, counters as rates and histograms as percentiles over a short
-window. The last minutes of points are kept for `GET /dashboard/data`; the page asks for the
+window; with data-parallel replicas, their totals and each replica's own gauges. The last minutes of points are kept for `GET /dashboard/data`; the page asks for the
 points after the last one it has."""
 from __future__ import annotations
 
@@ -36,6 +36,9 @@ def read(registry) -> dict:
                 values.setdefault("lora_running", {})[s.labels["lora_name"]] = s.value
             elif name == "lora_requests_info":
                 values["max_lora"] = float(s.labels["max_lora"])
+            elif name.startswith("replica_") and "replica" in s.labels:
+                per = values.setdefault("replicas", {}).setdefault(s.labels["replica"], {})
+                per[name] = per.get(name, 0.0) + s.value
             else:
                 values[name] = values.get(name, 0.0) + s.value
     return values
@@ -96,6 +99,10 @@ def point(t: float, now: dict, rate_then: tuple[float, dict], lat_then: tuple[fl
                                 if drafted > 0 else None)
     if "lora_running" in now:
         p["lora_running"] = dict(now["lora_running"])
+    for i, r in now.get("replicas", {}).items():  # data-parallel replicas, each on its own
+        p[f"replica{i}_running"] = r.get("replica_num_requests_running", 0.0)
+        p[f"replica{i}_kv"] = r.get("replica_kv_cache_usage_perc", 0.0)
+        p[f"replica{i}_up"] = r.get("replica_up", 0.0)
     return p
 
 

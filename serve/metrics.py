@@ -208,7 +208,10 @@ class Metrics:
                                  for key, doc in (
                 ("kv_transfer_received_blocks", "KV blocks decode replicas fetched from prefill replicas."),
                 ("kv_transfer_received_bytes", "Bytes of those blocks."),
-                ("kv_transfer_receive_seconds", "Time decode replicas spent fetching them."),
+                ("kv_transfer_receive_seconds", "Time decode replicas spent fetching them, once "
+                 "their prefill was done (bytes over this: the transport's rate)."),
+                ("kv_transfer_import_seconds", "Time decode replicas spent writing them into "
+                 "their caches."),
                 ("kv_transfer_imported_blocks", "Of the fetched blocks, those written into a "
                  "decode replica's cache (the others were cached there already)."),
                 ("kv_transfer_failures", "Transfers that failed (the decode replica computed "

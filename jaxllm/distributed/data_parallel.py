@@ -58,7 +58,7 @@ def _router_key(request: EngineRequest):
     return (request.cache_salt, lora.lora_name if lora is not None else None)
 
 
-def _prefill_request(request: EngineRequest) -> EngineRequest:
+def prefill_request(request: EngineRequest) -> EngineRequest:
     """What a prefill replica runs: the prompt, one greedy token (thrown away: the decode
     replica computes the first token from the moved blocks)."""
     from jaxllm.sampling_params import RequestOutputKind, SamplingParams
@@ -481,7 +481,7 @@ class DataParallelEngine(EngineFront):
                 and any(i in prefill for i in self.set.live())):
             pd = self.router.route(ids, key, exclude=decode)
             summary, payload = self.set.handle(pd.replica).prefill.options(num_returns=2).remote(
-                f"{request_id}#prefill", _prefill_request(request))
+                f"{request_id}#prefill", prefill_request(request))
             kv = [payload]
             if self.hooks is not None:
                 self.hooks.routed(pd)

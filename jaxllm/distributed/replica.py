@@ -39,6 +39,7 @@ class Replica:
         self.kv = {"kv_transfer_sent_blocks": 0, "kv_transfer_sent_bytes": 0,
                    "kv_transfer_received_blocks": 0, "kv_transfer_received_bytes": 0,
                    "kv_transfer_imported_blocks": 0, "kv_transfer_receive_seconds": 0.0,
+                   "kv_transfer_import_seconds": 0.0,
                    "kv_transfer_failures": 0}
         self.engine = AsyncEngine(config, on_step=self._on_step, on_fail=self._on_fail,
                                   lora_modules=lora_modules, model_names=model_names)
@@ -88,12 +89,18 @@ class Replica:
 
     async def _receive(self, request_id: str, request, ref) -> None:
         from jaxllm.distributed.kv_transfer import import_prefix
-        start = time.perf_counter()
         try:
+            if hasattr(ref, "hex"):  # a Ray ObjectRef: wait for the prefill, then time the fetch
+                import ray
+                await asyncio.get_running_loop().run_in_executor(
+                    None, lambda: ray.wait([ref], fetch_local=False))
+            start = time.perf_counter()
             payload = await ref
-            self.kv["kv_transfer_receive_seconds"] += time.perf_counter() - start
+            fetched = time.perf_counter()
             written = await self.engine.on_engine(lambda e: import_prefix(
                 e, request.prompt_token_ids, payload, request.cache_salt, request.lora_request))
+            self.kv["kv_transfer_receive_seconds"] += fetched - start
+            self.kv["kv_transfer_import_seconds"] += time.perf_counter() - fetched
         except Exception as e:  # the prompt is computed here instead
             self.kv["kv_transfer_failures"] += 1
             logger.error("replica %d: the KV transfer of request %s failed (%s: %s); its prompt "

@@ -30,29 +30,42 @@ let span = 600;
 const panels = [];
 
 function build() {
+  for (const [title, series, when] of PANELS) addPanel(title, series, when);
+}
+
+// with data-parallel replicas: each replica's requests and KV cache beside the totals above
+let replicaPanels = false;
+function buildReplicaPanels(replicas) {
+  replicaPanels = true;
+  const name = (r) => `${r.replica}${r.role === "both" ? "" : " " + r.role}`;
+  const shown = replicas.slice(0, COLORS.length);
+  addPanel("Running per replica", shown.map((r) => [`replica${r.replica}_running`, name(r), count]));
+  addPanel("KV cache per replica", shown.map((r) => [`replica${r.replica}_kv`, name(r), pct]));
+  addPanel("Replicas up", [["replicas_up", "up", count]]);
+}
+
+function addPanel(title, series, when) {
   const main = document.getElementById("panels");
-  for (const [title, series, when] of PANELS) {
-    const panel = document.createElement("section");
-    panel.className = "panel";
-    const h = document.createElement("h2");
-    h.textContent = title;
-    const now = document.createElement("div");
-    now.className = "now";
-    const values = series.map(([key, label], i) => {
-      const tag = document.createElement("span");
-      tag.textContent = label;
-      tag.style.color = COLORS[i];
-      const v = document.createElement("b");
-      v.dataset.key = key;
-      v.textContent = "–";
-      now.append(tag, v, " ");
-      return v;
-    });
-    const canvas = document.createElement("canvas");
-    panel.append(h, now, canvas);
-    main.append(panel);
-    panels.push({ panel, series, when, values, canvas });
-  }
+  const panel = document.createElement("section");
+  panel.className = "panel";
+  const h = document.createElement("h2");
+  h.textContent = title;
+  const now = document.createElement("div");
+  now.className = "now";
+  const values = series.map(([key, label], i) => {
+    const tag = document.createElement("span");
+    tag.textContent = label;
+    tag.style.color = COLORS[i];
+    const v = document.createElement("b");
+    v.dataset.key = key;
+    v.textContent = "–";
+    now.append(tag, v, " ");
+    return v;
+  });
+  const canvas = document.createElement("canvas");
+  panel.append(h, now, canvas);
+  main.append(panel);
+  panels.push({ panel, series, when, values, canvas });
 }
 
 function draw({ canvas, series }) {
@@ -104,9 +117,12 @@ async function poll() {
     if (!resp.ok) throw new Error("HTTP " + resp.status);
     const data = await resp.json();
     info = data.info;
+    if (info.replicas && !replicaPanels) buildReplicaPanels(info.replicas);
     span = data.window_seconds || span;
     for (const p of data.points) {
       if (p.lora_running) p.lora_total = Object.values(p.lora_running).reduce((a, b) => a + b, 0);
+      const up = Object.keys(p).filter((k) => /^replica\d+_up$/.test(k));
+      if (up.length) p.replicas_up = up.reduce((a, k) => a + p[k], 0);
       points.push(p);
     }
     if (points.length) last = points[points.length - 1].t;

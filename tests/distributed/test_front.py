@@ -1,0 +1,86 @@
+"""The replicas' front end without Ray: their counters summed across restarts, the
+configuration refused by field, and the routing exclusions a resent request needs."""
+import pytest
+
+from jaxllm.config import EngineConfig
+from jaxllm.distributed.data_parallel import _Totals
+from jaxllm.distributed.kv_transfer_config import KVTransferConfig
+from jaxllm.distributed.router import Router
+
+
+def _stats(life, running, prompt, kv=0.5, slots=100):
+    return {"incarnation": life, "alive": True, "steps": 3, "num_requests_running": running,
+            "num_requests_waiting": 0, "kv_cache_usage_perc": kv, "kv_total_slots": slots,
+            "peak_running": running, "prompt_tokens": prompt,
+            "spec_decode_num_accepted_tokens_per_pos": [prompt, 1]}
+
+
+def test_counters_stay_monotonic_when_a_replica_restarts():
+    t = _Totals(2)
+    t.update(0, _stats("a", 2, 100, kv=0.5))
+    t.update(1, _stats("b", 1, 40, kv=0.1, slots=300))
+    total = t.total([True, True])
+    assert total["prompt_tokens"] == 140 and total["num_requests_running"] == 3
+    assert total["kv_cache_usage_perc"] == pytest.approx((0.5 * 100 + 0.1 * 300) / 400)
+    assert total["spec_decode_num_accepted_tokens_per_pos"] == [140, 2]
+    # replica 0 restarts: its new life counts from zero, the total does not go back
+    t.update(0, _stats("a2", 0, 5))
+    total = t.total([True, True])
+    assert total["prompt_tokens"] == 145
+    assert total["spec_decode_num_accepted_tokens_per_pos"] == [145, 3]
+    # a replica that is down adds no load, and its capacity is not counted
+    total = t.total([False, True])
+    assert total["num_requests_running"] == 1 and total["kv_total_slots"] == 300
+    assert total["peak_running"] == 3  # the most seen at once
+
+
+def test_kv_transfer_config_is_refused_by_field():
+    with pytest.raises(ValueError, match="kv_transfer_config.kv_connector"):
+        KVTransferConfig.parse({"kv_connector": "NixlConnector"})
+    with pytest.raises(ValueError, match="kv_transfer_config.kv_role"):
+        KVTransferConfig.parse('{"kv_role": "kv_producer"}')
+    with pytest.raises(ValueError, match="prefill_replicas"):
+        KVTransferConfig.parse({"kv_connector_extra_config": {"prefill_replicas": 0}})
+    with pytest.raises(ValueError, match="kv_transfer_config.kv_buffer_size"):
+        KVTransferConfig.parse({"kv_buffer_size": 1})
+    with pytest.raises(ValueError, match="not valid JSON"):
+        KVTransferConfig.parse("{")
+    cfg = KVTransferConfig.parse({"kv_connector_extra_config": {"prefill_replicas": 2}})
+    assert cfg.num_prefill(3) == 2 and KVTransferConfig().num_prefill(4) == 2
+    with pytest.raises(ValueError, match="at least one decode replica"):
+        cfg.num_prefill(2)
+
+
+def test_engine_config_checks_replica_options():
+    kv = {"kv_connector": "RayObjectStoreConnector"}
+    with pytest.raises(ValueError, match="data_parallel_size >= 2"):
+        EngineConfig(kv_transfer_config=kv)
+    with pytest.raises(ValueError, match="enable_prefix_caching"):
+        EngineConfig(data_parallel_size=2, kv_transfer_config=kv, enable_prefix_caching=False)
+    with pytest.raises(ValueError, match="data_parallel_backend"):
+        EngineConfig(data_parallel_size=2, data_parallel_backend="mp")
+    with pytest.raises(ValueError, match="routing_policy"):
+        EngineConfig(data_parallel_size=2, routing_policy="random")
+    with pytest.raises(ValueError, match="data_parallel_size must be a positive integer"):
+        EngineConfig(data_parallel_size=0)
+    assert EngineConfig(data_parallel_size=2, kv_transfer_config=kv).kv_transfer_config.kv_role == "kv_both"
+
+
+def test_llm_refuses_kv_transfer_offline():
+    from jaxllm import LLM
+    with pytest.raises(ValueError, match="kv_transfer_config"):
+        LLM(data_parallel_size=2, kv_transfer_config={"kv_connector": "RayObjectStoreConnector"})
+
+
+def test_a_resent_request_avoids_the_replicas_it_failed_on():
+    r = Router(3, block_size=4, capacity_blocks=64)
+    ids = list(range(12))
+    first = r.route(ids)
+    again = r.route(ids, exclude=(first.replica,))
+    assert again.replica != first.replica
+    third = r.route(ids, exclude=(first.replica, again.replica))
+    assert third.replica not in (first.replica, again.replica)
+    with pytest.raises(RuntimeError, match="no replica"):
+        r.route(ids, exclude=(0, 1, 2))
+    rr = Router(3, block_size=4, capacity_blocks=64, policy="round_robin")
+    assert [rr.route(ids, exclude=(1,)).replica for _ in range(4)] == [0, 2, 0, 2]
