@@ -3,10 +3,11 @@ comparison in one run against real servers, through `jaxllm bench serve`'s load 
 
 - routing: a multi-tenant chat workload (conversations re-sending their growing history,
   system prompts shared within tenants) against 2 replicas, prefix-aware routing against
-  round robin: cached prompt-token fraction and TTFT. Each replica's KV cache is limited
-  (--routing-cache-blocks) so that, as in a busy service, the conversations in flight
-  outgrow one replica's cache: where every replica sees every conversation, each caches
-  all of them and evicts more.
+  round robin: cached prompt-token fraction and TTFT. Each conversation waits a random
+  think time before its next turn (so turns arrive in no fixed order), and their histories
+  together outgrow one replica's KV cache (--routing-cache-blocks) but not two, as in a
+  service whose caches hold fewer conversations than it serves: routed by prefix, each
+  replica caches half of them; in turn, every replica must cache all of them and evicts.
 - scaling: requests/s of 2 replicas against 1 engine at saturation, same machine (on a CPU
   the replicas split its cores: what they share bounds the gain).
 - pd: long prompts arriving while streams decode, prefill/decode split (1 prefill replica +
@@ -36,14 +37,16 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--parts", default="routing,scaling,pd")
     p.add_argument("--port", type=int, default=8431)
     g = p.add_argument_group("routing")
-    g.add_argument("--num-conversations", type=int, default=48)
+    g.add_argument("--num-conversations", type=int, default=64)
     g.add_argument("--num-turns", type=int, default=6)
     g.add_argument("--num-tenants", type=int, default=6)
     g.add_argument("--system-len", type=int, default=128)
     g.add_argument("--user-len", type=int, default=64)
     g.add_argument("--output-len", type=int, default=32)
     g.add_argument("--concurrency", type=int, default=8)
-    g.add_argument("--routing-cache-blocks", type=int, default=256,
+    g.add_argument("--think-time", type=float, default=2.0, help="mean seconds between a "
+                   "conversation's turns")
+    g.add_argument("--routing-cache-blocks", type=int, default=1536,
                    help="KV blocks per replica (--num-gpu-blocks-override) in this part")
     g = p.add_argument_group("scaling")
     g.add_argument("--scaling-prompts", type=int, default=96)
@@ -68,6 +71,7 @@ def _workload_args(args, **over) -> argparse.Namespace:
                 random_range_ratio=0.0, num_turns=args.num_turns, system_len=args.system_len,
                 num_tenants=args.num_tenants, tokenizer=None, vocab_size=_vocab(args),
                 max_model_len=4096, request_rate=float("inf"), ignore_eos=True, seed=args.seed,
+                think_time=getattr(args, "think_time", 0.0),
                 base_url=None, endpoint="/v1/completions", api_key=None)
     base.update(over)
     return argparse.Namespace(**base)

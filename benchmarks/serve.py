@@ -33,6 +33,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     w.add_argument("--random-range-ratio", type=float, default=0.0)
     w.add_argument("--num-turns", type=int, default=3, help="prefix-chat: turns per conversation")
     w.add_argument("--system-len", type=int, default=256, help="prefix-chat: shared system prompt")
+    w.add_argument("--think-time", type=float, default=0.0, help="prefix-chat: mean seconds "
+                   "(exponential) a conversation waits before each of its later turns")
     w.add_argument("--num-tenants", type=int, default=1, help="prefix-chat: tenants, each with "
                    "its own system prompt shared by its conversations")
     w.add_argument("--tokenizer", default=None, help="HF directory or GGUF file: vocabulary "
@@ -154,8 +156,13 @@ async def run_load(args, chains, model: str, concurrency: int | None) -> tuple[l
     limits = httpx.Limits(max_connections=max(concurrency or 0, len(chains)) + 10)
 
     async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
-        async def run_chain(chain):
-            for sample in chain:
+        think = getattr(args, "think_time", 0.0)
+
+        async def run_chain(chain, seed):
+            pause = np.random.default_rng(seed)
+            for i, sample in enumerate(chain):
+                if i and think > 0:  # the user reads the reply and types the next turn
+                    await asyncio.sleep(float(pause.exponential(think)))
                 if sem is not None:
                     async with sem:
                         outcomes.append(await one_request(client, url, model, sample, args.ignore_eos, headers))
@@ -164,8 +171,8 @@ async def run_load(args, chains, model: str, concurrency: int | None) -> tuple[l
 
         start = time.perf_counter()
         tasks = []
-        for chain in chains:
-            tasks.append(asyncio.create_task(run_chain(chain)))
+        for c, chain in enumerate(chains):
+            tasks.append(asyncio.create_task(run_chain(chain, args.seed * 100003 + c)))
             if args.request_rate != float("inf"):
                 await asyncio.sleep(float(rng.exponential(1.0 / args.request_rate)))
         await asyncio.gather(*tasks)
@@ -263,6 +270,7 @@ def run(args) -> int:
     result = {"base_url": args.base_url, "model": model,
               "workload": {"dataset": args.dataset_name, "num_prompts": args.num_prompts,
                            "num_turns": args.num_turns, "num_tenants": args.num_tenants,
+                           "think_time": args.think_time,
                            "random_input_len": args.random_input_len,
                            "random_output_len": args.random_output_len,
                            "request_rate": args.request_rate, "seed": args.seed},

@@ -108,14 +108,17 @@ class KVCacheManager:
         allocated, registered under their keys and released at once, so that they sit in the
         prefix cache, the last to be evicted, until a request finds them. (index in keys,
         block) for the caller to fill before any step runs; None when they do not fit."""
-        start = len(self.cached_run(keys))
-        need = len(keys) - start
-        if not self.enable_caching or need > self.pool.num_free_blocks:
+        held = self.cached_run(keys)
+        start, need = len(held), len(keys) - len(held)
+        if not self.enable_caching or need > self.pool.num_free_if_touched(held):
             return None
+        # the cached run is held meanwhile, so that allocating cannot evict the prefix the new
+        # blocks continue; released in one call, the chain's head is the last to be evicted
+        self.pool.touch(held)
         blocks = self.pool.allocate(need) if need else []
         for key, block in zip(keys[start:], blocks):
             self.pool.cache(block, key)
-        self.pool.free(list(reversed(blocks)))  # (free() walks its list backwards)
+        self.pool.free(held + blocks)
         return list(zip(range(start, len(keys)), blocks))
 
     def record_prefix_lookup(self, request: Request, num_hit_tokens: int) -> None:

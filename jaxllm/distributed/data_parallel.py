@@ -96,7 +96,11 @@ class ReplicaSet:
     def start(self) -> list[dict]:
         """Start Ray (or join it), place the replicas and wait until each has its engine up;
         their info(). An engine that cannot start raises its error here."""
-        import ray
+        try:
+            import ray
+        except ImportError:
+            raise ValueError("data_parallel_size > 1 runs its replicas on Ray, which is not "
+                             "installed: pip install 'jaxllm[distributed]'") from None
         address = self.config.data_parallel_address
         cores = sorted(os.sched_getaffinity(0))
         if not ray.is_initialized():
@@ -113,6 +117,9 @@ class ReplicaSet:
         tp = self.config.tensor_parallel_size
         gpus = int(resources.get("GPU", 0))
         placements = []
+        if 0 < gpus < self.size * tp:
+            raise ValueError(f"data_parallel_size {self.size} x tensor_parallel_size {tp} needs "
+                             f"{self.size * tp} GPUs; Ray sees {gpus}")
         if gpus >= self.size * tp:
             placements = [{"num_gpus": tp, "num_cpus": 1}] * self.size
             pins = [None] * self.size
@@ -144,17 +151,16 @@ class ReplicaSet:
                 self.replica_config, i, pins[i], self.lora_modules, self.model_names,
                 logging.getLogger("jaxllm").getEffectiveLevel())
             self.replicas.append(ReplicaState(i, handle))
-        rx = _ray_errors()
         infos = []
         for r in self.replicas:
             try:
                 info = ray.get(r.handle.info.remote())
-            except rx.RayActorError as e:
-                cause = getattr(e, "cause", None) or getattr(e, "error_msg", None)
+            except Exception as e:  # its engine could not start: so the set does not
                 self.shutdown()
-                if isinstance(cause, BaseException):
-                    raise cause from None
-                raise RuntimeError(f"replica {r.index} failed to start: {e}") from None
+                cause = getattr(e, "cause", None)  # a RayTaskError carries the engine's error
+                if isinstance(cause, ValueError):
+                    raise ValueError(f"replica {r.index}: {cause}") from None
+                raise RuntimeError(f"replica {r.index} failed to start: {describe_error(e)}") from None
             r.info, r.incarnation, r.state = info, info["incarnation"], "up"
             infos.append(info)
         logger.info("replicas up: %s", "; ".join(
@@ -212,7 +218,11 @@ class _Totals:
         self.life = [None] * size
         self.peak = 0
 
-    def update(self, i: int, stats: dict) -> None:
+    def update(self, i: int, stats: dict, prefill: bool = False) -> None:
+        """prefill: a prefill replica, whose one generated token per request is thrown away
+        (not counted as generated)."""
+        if prefill:
+            stats = {**stats, "generation_tokens": 0}
         if stats.get("incarnation") != self.life[i]:
             if self.life[i] is not None:
                 for k, v in self.last[i].items():
@@ -222,7 +232,7 @@ class _Totals:
         self.last[i] = stats
 
     def total(self, up: list[bool]) -> dict:
-        out: dict = {}
+        out: dict = dict.fromkeys(self.GAUGES, 0)
         for i, stats in enumerate(self.last):
             for k, v in stats.items():
                 if k in self.SKIP:
@@ -261,6 +271,7 @@ def _add(a, b):
 class _Running:
     decision: Decision
     stream: object          # the Ray ObjectRefGenerator
+    prefill: object = None  # a prefill's summary ObjectRef (cancelling it stops the prefill)
     cancelled: bool = False
 
 
@@ -287,6 +298,7 @@ class DataParallelEngine(EngineFront):
         self._running: dict[str, _Running] = {}
         self._watchers: list[asyncio.Task] = []
         self._runtime_loras: dict[int, object] = {}   # added after start: re-added on restarts
+        self._attempts = 0  # prefills sent (their request ids stay unique across resends)
         self._totals = _Totals(config.data_parallel_size)
         self._thread = threading.Thread(target=self._boot, name="jaxllm-replicas", daemon=True)
         self._stopping = False
@@ -366,6 +378,20 @@ class DataParallelEngine(EngineFront):
         while not self._stopping:
             try:
                 stats = await r.handle.stats.remote()
+                r.died_answers = 0
+                if not stats["alive"]:  # its engine failed: the process is on its way out
+                    self._replica_down(r, "restarting", EngineDeadError("its engine failed"))
+                elif stats["incarnation"] != r.incarnation:
+                    await self._replica_back(r)
+                elif r.state != "up":  # a slow answer taken for a death: it was not
+                    await self._readd_loras(r)
+                    r.state = "up"
+                    self.router.set_alive(r.index, True)
+                if stats["alive"]:
+                    r.stats = stats
+                    self._totals.update(r.index, stats, r.index in self.set.prefill_ids)
+                    self.router.set_kv_usage(r.index, stats.get("kv_cache_usage_perc", 0.0))
+                    self._publish()
             except asyncio.CancelledError:
                 raise
             except rx.ActorDiedError as e:
@@ -374,39 +400,28 @@ class DataParallelEngine(EngineFront):
                 if all(x.state == "dead" for x in self.set.replicas) and self.error is None:
                     self._fail(EngineDeadError("every replica is dead (restarts exhausted)"))
                     return
-                await asyncio.sleep(POLL_SECONDS)
-                continue
             except rx.RayActorError as e:  # unreachable or restarting
                 self._replica_down(r, "restarting", e)
-                await asyncio.sleep(POLL_SECONDS)
-                continue
-            r.died_answers = 0
-            if not stats["alive"]:  # its engine failed: the process is on its way out
-                self._replica_down(r, "restarting", EngineDeadError("its engine failed"))
-                await asyncio.sleep(POLL_SECONDS)
-                continue
-            if stats["incarnation"] != r.incarnation:
-                await self._replica_back(r)
-            elif r.state != "up":  # a slow answer taken for a death: it was not
-                r.state = "up"
-                self.router.set_alive(r.index, True)
-            r.stats = stats
-            self._totals.update(r.index, stats)
-            self.router.set_kv_usage(r.index, stats.get("kv_cache_usage_perc", 0.0))
-            self._publish()
+            except Exception:  # one bad answer or hook: the watch goes on
+                logger.exception("watching replica %d", r.index)
             await asyncio.sleep(POLL_SECONDS)
 
     def _replica_down(self, r: ReplicaState, state: str, error) -> None:
+        if self._stopping:
+            return
         if r.state != state:
             logger.error("replica %d is %s: %s", r.index, state, describe_error(error))
         r.state = state
         self.router.set_alive(r.index, False)
         self._publish()
 
-    async def _replica_back(self, r: ReplicaState) -> None:
-        info = await r.handle.info.remote()
+    async def _readd_loras(self, r: ReplicaState) -> None:
         for lora in list(self._runtime_loras.values()):
             await r.handle.add_lora.remote(lora)
+
+    async def _replica_back(self, r: ReplicaState) -> None:
+        info = await r.handle.info.remote()
+        await self._readd_loras(r)
         r.info, r.incarnation = info, info["incarnation"]
         r.restarts += 1
         r.state = "up"
@@ -415,7 +430,7 @@ class DataParallelEngine(EngineFront):
         logger.warning("replica %d is back (restart %d, pid %d)", r.index, r.restarts, info["pid"])
 
     def _publish(self) -> None:
-        if self.hooks is None:
+        if self.hooks is None or self._stopping:
             return
         up = [r.state == "up" for r in self.set.replicas]
         self.hooks.observe_stats(self._totals.total(up), self.max_model_len,
@@ -438,6 +453,8 @@ class DataParallelEngine(EngineFront):
         error (the replicas cannot run)."""
         if self.error is not None:
             return {"status": "error", "error": str(self.error)}
+        if not self.ready.is_set():  # as one engine loading: alive, not ready (/health/ready)
+            return {"status": "starting"}
         states = self.replica_states()
         up = sum(s["state"] == "up" for s in states)
         status = "ok" if up == len(states) else "degraded" if up else "unavailable"
@@ -447,9 +464,14 @@ class DataParallelEngine(EngineFront):
 
     # LoRA adapters at run time: every replica gets them
     async def add_lora(self, lora_request) -> None:
-        await asyncio.gather(*(self.set.handle(i).add_lora.remote(lora_request)
-                               for i in self.set.live()))
+        # recorded first: a replica that comes back meanwhile gets it too
         self._runtime_loras[lora_request.lora_int_id] = lora_request
+        try:
+            await asyncio.gather(*(self.set.handle(i).add_lora.remote(lora_request)
+                                   for i in self.set.live()))
+        except BaseException:
+            self._runtime_loras.pop(lora_request.lora_int_id, None)
+            raise
 
     async def remove_lora(self, lora_int_id: int) -> bool:
         self._runtime_loras.pop(lora_int_id, None)
@@ -475,21 +497,26 @@ class DataParallelEngine(EngineFront):
         prefill, decode = self.set.prefill_ids, self.set.decode_ids
         if not any(i not in exclude and i not in prefill for i in self.set.live()):
             raise EngineDeadError("no replica is up to run the request (restarting)")
-        kv = None
+        kv, prefilling = None, None
         ids, key = request.prompt_token_ids, _router_key(request)
+        decision = self.router.route(ids, key, exclude=(*exclude, *prefill))
+        target = self.set.handle(decision.replica)
         if (prefill and len(ids) > self.router.block_size and request.params.prompt_logprobs is None
                 and any(i in prefill for i in self.set.live())):
             pd = self.router.route(ids, key, exclude=decode)
+            self._attempts += 1
             summary, payload = self.set.handle(pd.replica).prefill.options(num_returns=2).remote(
-                f"{request_id}#prefill", prefill_request(request))
-            kv = [payload]
+                f"{request_id}#prefill{self._attempts}", prefill_request(request))
+            # the decode replica fetches and imports the blocks in a call of its own, so that
+            # the object store lets go of them once they are in its cache
+            kv = [target.receive.remote(request_id, request, [payload])]
+            prefilling = summary
             if self.hooks is not None:
                 self.hooks.routed(pd)
             asyncio.ensure_future(self._prefilled(request_id, pd, summary))
-        decision = self.router.route(ids, key, exclude=(*exclude, *prefill))
-        stream = self.set.handle(decision.replica).generate.options(
-            num_returns="streaming").remote(request_id, request, priority, kv)
-        run = self._running[request_id] = _Running(decision, stream)
+        stream = target.generate.options(num_returns="streaming").remote(
+            request_id, request, priority, kv)
+        run = self._running[request_id] = _Running(decision, stream, prefilling)
         logger.debug("request %s -> replica %d (%s; %d of %d blocks cached)%s", request_id,
                      decision.replica, decision.reason, decision.cached_blocks,
                      decision.prompt_blocks, " after a prefill" if kv else "")
@@ -533,15 +560,16 @@ class DataParallelEngine(EngineFront):
                     raise RequestLostError("the replica's stream ended without a final output")
                 except rx.RayTaskError as e:
                     cause = getattr(e, "cause", None)
-                    if isinstance(cause, ValueError):
+                    if isinstance(cause, ValueError):  # the request's own problem: a 400
                         raise ValueError(str(cause)) from None
-                    if not isinstance(cause, EngineDeadError):
-                        raise
-                    error = cause
-                except rx.RayActorError as e:
+                    error = cause if isinstance(cause, BaseException) else e
+                except rx.RayError as e:  # the actor died or its objects were lost
                     error = e
+                if self._stopping:
+                    raise RequestLostError("the server is shutting down")
                 replica = run.decision.replica
-                self._replica_down(self.set.replicas[replica], "restarting", error)
+                if isinstance(error, (rx.RayActorError, EngineDeadError)):  # the replica went
+                    self._replica_down(self.set.replicas[replica], "restarting", error)
                 resend = not streamed and any(i not in tried and i not in self.set.prefill_ids
                                               for i in self.set.live())
                 if self.hooks is not None:
@@ -570,10 +598,13 @@ class DataParallelEngine(EngineFront):
         run.cancelled = True
         self.router.finished(run.decision)
         import ray
-        try:
-            ray.cancel(run.stream)  # the replica's generator stops and aborts its request
-        except Exception:  # the replica is gone: so is the request
-            pass
+        for ref in (run.stream, run.prefill):
+            if ref is None:
+                continue
+            try:
+                ray.cancel(ref)  # the replica's generator (or prefill) stops, aborting its request
+            except Exception:  # the replica is gone: so is the request
+                pass
 
     def abort(self, request_id: str) -> None:
         run = self._running.pop(request_id, None)

@@ -50,13 +50,18 @@ def import_prefix(engine, token_ids: list[int], payload: dict, cache_salt=None,
     n = payload["num_blocks"]
     if n == 0:
         return 0
+    runner = engine.runner
+    runner.block_ops.check(payload["values"])
     keys = _keys(engine, token_ids[:n * bs], cache_salt, lora_request)
     pairs = engine.kv_manager.adopt(keys)
     if pairs is None:
         raise ValueError(f"no room for {n} KV blocks in this cache")
     if pairs:
         rows = np.array([i for i, _ in pairs])
-        runner = engine.runner
-        runner.kv_cache = runner.block_ops.write(runner.kv_cache, [b for _, b in pairs],
-                                                 [v[rows] for v in payload["values"]])
+        try:
+            runner.kv_cache = runner.block_ops.write(runner.kv_cache, [b for _, b in pairs],
+                                                     [v[rows] for v in payload["values"]])
+        except BaseException:  # registered but not written: nobody may find them
+            engine.kv_manager.pool.forget([b for _, b in pairs])
+            raise
     return len(pairs)

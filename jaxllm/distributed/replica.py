@@ -18,6 +18,8 @@ import uuid
 
 logger = logging.getLogger("jaxllm")
 
+PREFILL_TIMEOUT = 300.0  # seconds a decode replica waits for a prefill before computing it
+
 
 class Replica:
     def __init__(self, config, index: int, cores: list[int] | None, lora_modules=(),
@@ -79,21 +81,34 @@ class Replica:
                 "steps": self._steps, **(self._stats or {}), **self.kv}
 
     async def generate(self, request_id: str, request, priority: int = 0, kv=None):
-        """The request's outputs as they are made. kv: [ObjectRef of a producer's prefill()
-        payload] (in a list, so that Ray hands over the reference and the fetch happens
-        here, where a failure falls back to computing the prompt)."""
+        """The request's outputs as they are made. kv: [the ObjectRef of this replica's
+        receive() for the request], awaited first (in a list, so that Ray does not wait for
+        it before the call starts)."""
         if kv:
-            await self._receive(request_id, request, kv[0])
+            try:
+                await kv[0]
+            except Exception as e:  # receive() itself failed (cancelled): compute the prompt
+                logger.error("replica %d: the KV transfer of request %s did not finish (%s); "
+                             "its prompt is computed here instead", self.index, request_id,
+                             type(e).__name__)
         async for out in self.engine.submit(request_id, request, priority):
             yield out
 
-    async def _receive(self, request_id: str, request, ref) -> None:
+    async def receive(self, request_id: str, request, kv) -> bool:
+        """Fetch the payload of a producer's prefill() (kv: [its ObjectRef]) and write its
+        blocks into this cache; False if that failed (the prompt is then computed here).
+        A call of its own: the payload is let go when it returns."""
+        return await self._receive(request_id, request, kv[0])
+
+    async def _receive(self, request_id: str, request, ref) -> bool:
         from jaxllm.distributed.kv_transfer import import_prefix
         try:
             if hasattr(ref, "hex"):  # a Ray ObjectRef: wait for the prefill, then time the fetch
                 import ray
-                await asyncio.get_running_loop().run_in_executor(
-                    None, lambda: ray.wait([ref], fetch_local=False))
+                ready, _ = await asyncio.get_running_loop().run_in_executor(
+                    None, lambda: ray.wait([ref], fetch_local=False, timeout=PREFILL_TIMEOUT))
+                if not ready:
+                    raise TimeoutError(f"the prefill took over {PREFILL_TIMEOUT:.0f} s")
             start = time.perf_counter()
             payload = await ref
             fetched = time.perf_counter()
@@ -105,10 +120,11 @@ class Replica:
             self.kv["kv_transfer_failures"] += 1
             logger.error("replica %d: the KV transfer of request %s failed (%s: %s); its prompt "
                          "is computed here instead", self.index, request_id, type(e).__name__, e)
-            return
+            return False
         self.kv["kv_transfer_received_blocks"] += payload["num_blocks"]
         self.kv["kv_transfer_received_bytes"] += payload["nbytes"]
         self.kv["kv_transfer_imported_blocks"] += written
+        return True
 
     async def prefill(self, request_id: str, request):
         """Producer: run the request (its max_tokens set to 1 by the front end) and return

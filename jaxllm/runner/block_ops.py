@@ -109,13 +109,17 @@ class BlockOps:
                 dst[i:i + len(chunk)] = np.asarray(vals)[:len(chunk)]
         return out
 
-    def write(self, cache, blocks: list[int], values: list[np.ndarray]):
-        """Device blocks filled from read()'s arrays (one row per block)."""
+    def check(self, values: list[np.ndarray]) -> None:
+        """ValueError unless read()'s arrays (of another engine) fit this cache."""
         if len(values) != len(self._leaves) or any(
                 v.shape[1:] != (*x.shape[:3], self.block_size, *x.shape[4:]) or v.dtype != np.dtype(x.dtype)
                 for v, x in zip(values, self._leaves)):
             raise ValueError("the KV blocks do not match this cache's layout (model, block size "
                              "or cache dtype differ)")
+
+    def write(self, cache, blocks: list[int], values: list[np.ndarray]):
+        """Device blocks filled from read()'s arrays (one row per block)."""
+        self.check(values)
         oob = self.num_slots // self.block_size
         for i in range(0, len(blocks), GROUP):
             n = min(GROUP, len(blocks) - i)

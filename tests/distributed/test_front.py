@@ -84,3 +84,21 @@ def test_a_resent_request_avoids_the_replicas_it_failed_on():
         r.route(ids, exclude=(0, 1, 2))
     rr = Router(3, block_size=4, capacity_blocks=64, policy="round_robin")
     assert [rr.route(ids, exclude=(1,)).replica for _ in range(4)] == [0, 2, 0, 2]
+
+
+def test_adopted_blocks_are_found_and_their_chain_head_is_evicted_last():
+    """Blocks moved in from another engine sit in the prefix cache under their keys, after
+    the run already cached here; under pressure the chain's tail goes first."""
+    from jaxllm.core.kv_cache_manager import KVCacheManager, prefix_keys
+    kv = KVCacheManager(num_blocks=8, block_size=2)
+    keys = prefix_keys([1, 2, 3, 4, 5, 6, 7, 8], 2)
+    first = kv.adopt(keys[:2])
+    assert [i for i, _ in first] == [0, 1]
+    pairs = kv.adopt(keys)  # the first two are cached already: only the rest is written
+    assert [i for i, _ in pairs] == [2, 3]
+    chain = kv.cached_run(keys)
+    assert chain == [b for _, b in first + pairs] and kv.adopt(keys) == []
+    assert kv.pool.num_free_blocks == 7  # all released: evictable, not held
+    kv.pool.allocate(4)  # the three never-used blocks, then the chain's tail
+    assert kv.cached_run(keys) == chain[:3]
+    assert kv.adopt(prefix_keys(list(range(20)), 2)) is None  # no room for ten more

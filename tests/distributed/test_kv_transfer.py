@@ -52,8 +52,14 @@ async def _decode(consumer, rid, prompt, kv):
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0,
                             output_kind=RequestOutputKind.FINAL_ONLY)
     req = consumer.engine.engine.process_inputs(prompt, params)
-    outs = [o async for o in consumer.generate(rid, req, 0, kv=kv)]
+    received = await consumer.receive(rid, req, kv)
+    outs = [o async for o in consumer.generate(rid, req, 0)]
+    assert received == (consumer.kv["kv_transfer_failures"] == _decode.failures)
+    _decode.failures = consumer.kv["kv_transfer_failures"]
     return outs[-1], req
+
+
+_decode.failures = 0
 
 
 def test_moved_blocks_give_one_engines_outputs(pair, reference):
