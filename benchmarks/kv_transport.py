@@ -145,8 +145,10 @@ def _nixl_producer(conn, sizes):
     bufs = {n: _payload(n, n) for n in sizes}
     descs = {}
     for n, b in bufs.items():
-        agent.register_memory(b)
-        descs[n] = (agent.get_serialized_descs(agent.get_xfer_descs(b)), int(b[::4096].sum()))
+        region = [(b.ctypes.data, b.nbytes, 0)]  # host memory: (address, length, device 0)
+        agent.register_memory([(*region[0], "")], "DRAM")  # (registrations carry a name)
+        descs[n] = (agent.get_serialized_descs(agent.get_xfer_descs(region, "DRAM")),
+                    int(b[::4096].sum()))
     conn.send((agent.get_agent_metadata(), descs))
     conn.recv()
 
@@ -156,11 +158,13 @@ def _nixl_consumer(conn, sizes, repeats):
     meta, descs = conn.recv()
     agent = nixl_agent("consumer", nixl_agent_config(backends=["UCX"]))
     peer = agent.add_remote_agent(meta)
-    out = {}
+    out, keep, regs = {}, [], []
     for n in sizes:
         dst = np.empty(n, np.uint8)
-        agent.register_memory(dst)
-        handle = agent.initialize_xfer("READ", agent.get_xfer_descs(dst),
+        keep.append(dst)
+        region = [(dst.ctypes.data, n, 0)]
+        regs.append(agent.register_memory([(*region[0], "")], "DRAM"))
+        handle = agent.initialize_xfer("READ", agent.get_xfer_descs(region, "DRAM"),
                                        agent.deserialize_descs(descs[n][0]), peer)
         times = []
         for _ in range(repeats):
@@ -176,6 +180,9 @@ def _nixl_consumer(conn, sizes, repeats):
             raise RuntimeError("the payload arrived changed")
         out[str(n)] = _summary(times, n)
     conn.send("done")
+    for reg in regs:  # released before the interpreter goes (NIXL's teardown needs it)
+        agent.deregister_memory(reg)
+    agent.remove_remote_agent(peer)
     return out
 
 
