@@ -8,8 +8,9 @@ Pure Python: the engine config imports it without JAX.
 """
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
+
+from jaxllm import config_dicts
 
 CONNECTORS = ("RayObjectStoreConnector",)  # KV blocks through Ray's object store
 ROLES = ("kv_both",)
@@ -46,21 +47,7 @@ class KVTransferConfig:
     @classmethod
     def parse(cls, value) -> "KVTransferConfig | None":
         """None, a KVTransferConfig, a dict or its JSON text (the --kv-transfer-config flag)."""
-        if value is None or isinstance(value, cls):
-            return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"kv_transfer_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"kv_transfer_config must be a dict (or its JSON), got "
-                             f"{type(value).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise _error(unknown[0], f"is not a known field (known: {', '.join(sorted(known))})")
-        return cls(**value)
+        return config_dicts.parse(cls, value, "kv_transfer_config")
 
     def num_prefill(self, num_replicas: int) -> int:
         """Producers among `num_replicas` (the first ones); at least one consumer is left."""

@@ -4,8 +4,9 @@ Pure Python: the engine config imports it without JAX.
 """
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
+
+from jaxllm import config_dicts
 
 METHODS = ("ngram", "draft_model")
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
@@ -91,21 +92,7 @@ class SpeculativeConfig:
     @classmethod
     def parse(cls, value) -> "SpeculativeConfig | None":
         """None, a SpeculativeConfig, a dict or its JSON text (the --speculative-config flag)."""
-        if value is None or isinstance(value, cls):
-            return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a dict (or its JSON), got "
-                             f"{type(value).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise _field_error(unknown[0], f"is not a known field (known: {', '.join(sorted(known))})")
-        return cls(**value)
+        return config_dicts.parse(cls, value, "speculative_config")
 
     @property
     def k(self) -> int:
