@@ -8,7 +8,7 @@ from jaxllm.kernels import MATMUL_BACKENDS
 from jaxllm.quantization import (validate_int4_activations, validate_int4_options, validate_method,
                                  validate_smoothquant)
 from jaxllm.quantization.kv import validate_kv_dtype
-from jaxllm.distributed.kv_transfer_config import KVTransferConfig
+from jaxllm.kv_transfer_config import KVTransferConfig
 from jaxllm.spec_decode.config import SpeculativeConfig
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")

@@ -20,6 +20,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -93,9 +94,10 @@ class ReplicaSet:
         self.decode_ids = tuple(range(num_prefill, self.size)) if kv is not None else ()
         self._inited_ray = False  # this process connected to Ray (and started it, if not joined)
 
-    def start(self) -> list[dict]:
-        """Start Ray (or join it), place the replicas and wait until each has its engine up;
-        their info(). An engine that cannot start raises its error here."""
+    def connect(self) -> None:
+        """Start Ray on this machine, or join the cluster at data_parallel_address. Ray's own
+        processes started here are bound to the life of the calling thread (their parent
+        death signal is per thread): call it on one that lives as long as the replicas."""
         try:
             import ray
         except ImportError:
@@ -104,6 +106,10 @@ class ReplicaSet:
         address = self.config.data_parallel_address
         cores = sorted(os.sched_getaffinity(0))
         if not ray.is_initialized():
+            # ray.init on the main thread makes SIGTERM exit at once; the server drains on it
+            # (uvicorn's handler), so whatever handled it before handles it after
+            main = threading.current_thread() is threading.main_thread()
+            before = signal.getsignal(signal.SIGTERM) if main else None
             if address:
                 ray.init(address=address, configure_logging=False, log_to_driver=True,
                          namespace="jaxllm")
@@ -111,7 +117,17 @@ class ReplicaSet:
                 ray.init(address="local", num_cpus=len(cores), include_dashboard=False,
                          configure_logging=False,
                          log_to_driver=True, namespace="jaxllm")
+            if before is not None:
+                signal.signal(signal.SIGTERM, before)
             self._inited_ray = True
+
+    def start(self) -> list[dict]:
+        """Place the replicas (connecting to Ray first if not yet) and wait until each has
+        its engine up; their info(). An engine that cannot start raises its error here."""
+        self.connect()
+        import ray
+        address = self.config.data_parallel_address
+        cores = sorted(os.sched_getaffinity(0))
         local = not address
         resources = ray.cluster_resources()
         tp = self.config.tensor_parallel_size
@@ -156,7 +172,7 @@ class ReplicaSet:
             try:
                 info = ray.get(r.handle.info.remote())
             except Exception as e:  # its engine could not start: so the set does not
-                self.shutdown()
+                self.kill()
                 cause = getattr(e, "cause", None)  # a RayTaskError carries the engine's error
                 if isinstance(cause, ValueError):
                     raise ValueError(f"replica {r.index}: {cause}") from None
@@ -178,7 +194,8 @@ class ReplicaSet:
         return ("prefill" if index in self.prefill_ids else "decode" if index in self.decode_ids
                 else "both")
 
-    def shutdown(self) -> None:
+    def kill(self) -> None:
+        """The replicas stop (Ray does not restart them)."""
         import ray
         for r in self.replicas:
             try:
@@ -186,6 +203,12 @@ class ReplicaSet:
             except Exception:  # already gone
                 pass
         self.replicas = []
+
+    def shutdown(self) -> None:
+        """The replicas stop, and Ray with them if this process started it (on the thread
+        that connected)."""
+        import ray
+        self.kill()
         if self._inited_ray and ray.is_initialized():
             ray.shutdown()  # stops the cluster this process started; leaves a joined one
             self._inited_ray = False
@@ -302,11 +325,18 @@ class DataParallelEngine(EngineFront):
         self._totals = _Totals(config.data_parallel_size)
         self._thread = threading.Thread(target=self._boot, name="jaxllm-replicas", daemon=True)
         self._stopping = False
-        self._stop = threading.Event()
 
     # lifecycle
     def start(self) -> None:
+        """Connect to Ray here, on the server's main thread (Ray's processes live as long as
+        the thread that starts them), then place and wait for the replicas on a thread."""
         self._loop = asyncio.get_running_loop()
+        try:
+            self.set.connect()
+        except BaseException as e:
+            logger.error("could not start Ray: %s", describe_error(e))
+            self._fail(e)
+            return
         self._thread.start()
 
     def _boot(self) -> None:
@@ -322,17 +352,12 @@ class DataParallelEngine(EngineFront):
                 logger.warning("replica start-up raised", exc_info=True)
             logger.error("the replicas failed to start: %s", describe_error(e))
             self._fail(e)
-            self.set.shutdown()
             return
         if not self._stopping:
             self._loop.call_soon_threadsafe(self._watch_all)
             self.ready.set()
             if self.tokenizer is not None:
                 self.structured.warm()
-        # Ray's own processes (started by ray.init here) are bound to the life of the thread
-        # that started them (PR_SET_PDEATHSIG): this one lives until shutdown, and stops them
-        self._stop.wait()
-        self.set.shutdown()
 
     def _watch_all(self) -> None:
         self._watchers = [asyncio.ensure_future(self._watch(r)) for r in self.set.replicas]
@@ -346,7 +371,7 @@ class DataParallelEngine(EngineFront):
         self._stopping = True
         for t in self._watchers:
             t.cancel()
-        self._stop.set()
+        self.set.shutdown()  # (a start-up still waiting on the replicas then gives up)
         if self._thread.is_alive():
             self._thread.join(timeout)
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -625,7 +650,11 @@ class DataParallelLLMEngine:
     def __init__(self, config: EngineConfig, lora_modules=(), model_names=()):
         self.config = config
         self.set = ReplicaSet(config, lora_modules, model_names)
-        infos = self.set.start()
+        try:
+            infos = self.set.start()
+        except BaseException:
+            self.set.shutdown()
+            raise
         self.info = infos[0]
         self.tokenizer, self.inputs, self.structured = _front_parts(config, self.info)
         self.eos_token_id = self.info["eos_token_id"]

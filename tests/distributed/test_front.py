@@ -4,7 +4,7 @@ import pytest
 
 from jaxllm.config import EngineConfig
 from jaxllm.distributed.data_parallel import _Totals
-from jaxllm.distributed.kv_transfer_config import KVTransferConfig
+from jaxllm.kv_transfer_config import KVTransferConfig
 from jaxllm.distributed.router import Router
 
 
