@@ -109,7 +109,6 @@ class _Server:
 def _load(server, wl, concurrency):
     wl.base_url = server.base
     chains = bench_serve.build_workload(wl)
-    model = "default"
     import httpx
     model = httpx.get(server.base + "/v1/models").json()["data"][0]["id"]
     outcomes, duration = asyncio.run(bench_serve.run_load(wl, chains, model, concurrency))

@@ -42,7 +42,7 @@ class LLM:
             raise ValueError("kv_transfer_config: disaggregated prefill/decode is served by "
                              "`jaxllm serve`; offline, use data_parallel_size alone")
         if config.data_parallel_size > 1:  # replicas on Ray (jaxllm.distributed)
-            from jaxllm.distributed.data_parallel import DataParallelLLMEngine
+            from jaxllm.distributed.offline import DataParallelLLMEngine
             self.llm_engine = DataParallelLLMEngine(config)
             atexit.register(self.llm_engine.shutdown)
         else:

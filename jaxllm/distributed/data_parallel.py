@@ -1,293 +1,37 @@
-"""Data-parallel replicas: N engines as Ray actors behind one front end.
+"""Data-parallel replicas behind the server: DataParallelEngine, AsyncEngine's surface over
+N engines on Ray (replica_set.py places them).
 
-ReplicaSet starts Ray (or joins a running cluster), places one Replica actor
-(jaxllm.distributed.replica) per engine on its own devices (a GPU each, or its share of this
-machine's CPU cores, pinned) and lets Ray restart one that dies. The front end keeps what
-does not need the model: the tokenizer, input validation, grammar checks and the Router,
-which picks a replica per request by the prompt's cached prefix and the replicas' load.
-
-DataParallelEngine is the server's engine (AsyncEngine's surface): each request is streamed
-from its replica as Ray streaming-generator outputs. A replica that dies ends its requests
-with RequestLostError, except those that had not streamed anything yet, which are sent to
-another replica; a watcher per replica polls its counters (for /metrics and the router's
-load picture), sees it go and come back, and re-registers runtime LoRA adapters on the new
-life. DataParallelLLMEngine is the offline one (LLMEngine's surface, for LLM): requests are
-routed into one batch per replica and collected as the batches finish.
+The front end keeps what does not need the model: the tokenizer, input validation, grammar
+checks and the Router, which picks a replica per request by the prompt's cached prefix and
+the replicas' load. Each request is streamed from its replica as Ray streaming-generator
+outputs. A replica that dies ends its requests with RequestLostError, except those that had
+not streamed anything yet, which are sent to another replica; a watcher per replica polls
+its counters (for /metrics and the router's load picture), sees it go and come back, and
+re-registers runtime LoRA adapters on the new life. With prefill replicas
+(kv_transfer_config), a prefill runs first and the decode replica fetches its KV blocks.
 """
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
-import os
-import signal
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import AsyncIterator
 
 from jaxllm.config import EngineConfig
+from jaxllm.distributed.replica_set import (ReplicaSet, ReplicaState, Totals, front_parts,
+                                            prefill_request, ray_errors, router_key)
 from jaxllm.distributed.router import Decision, Router
 from jaxllm.engine.async_engine import (TOKENIZER_THREADS, EngineDeadError, EngineFront,
                                         RequestLostError, describe_error)
-from jaxllm.engine.input_processor import EngineRequest, InputProcessor
+from jaxllm.engine.input_processor import EngineRequest
 from jaxllm.engine.outputs import RequestOutput
 
 logger = logging.getLogger("jaxllm")
 
-MAX_RESTARTS = 4        # Ray restarts a dead replica this many times, then it stays dead
 POLL_SECONDS = 0.25     # how often each replica's counters are read
 DEAD_AFTER = 3          # consecutive "actor died" answers before a replica counts as gone
-
-
-@dataclass
-class ReplicaState:
-    index: int
-    handle: object
-    info: dict | None = None
-    state: str = "starting"   # starting, up, restarting, dead
-    incarnation: str | None = None
-    restarts: int = 0
-    died_answers: int = 0
-    stats: dict = field(default_factory=dict)
-
-
-def _router_key(request: EngineRequest):
-    """What makes equal tokens a different cache entry: the salt and the adapter."""
-    lora = request.lora_request
-    return (request.cache_salt, lora.lora_name if lora is not None else None)
-
-
-def prefill_request(request: EngineRequest) -> EngineRequest:
-    """What a prefill replica runs: the prompt, one greedy token (thrown away: the decode
-    replica computes the first token from the moved blocks)."""
-    from jaxllm.sampling_params import RequestOutputKind, SamplingParams
-    return EngineRequest(None, request.prompt_token_ids,
-                         SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
-                                        output_kind=RequestOutputKind.FINAL_ONLY),
-                         cache_salt=request.cache_salt, lora_request=request.lora_request)
-
-
-def _ray_errors():
-    import ray.exceptions as rx
-    return rx
-
-
-class ReplicaSet:
-    """The actors; shared by the server's and the offline engine."""
-
-    def __init__(self, config: EngineConfig, lora_modules=(), model_names=()):
-        self.config = config
-        self.size = config.data_parallel_size
-        # each replica is one plain engine
-        self.replica_config = dataclasses.replace(config, data_parallel_size=1,
-                                                  data_parallel_address=None,
-                                                  kv_transfer_config=None)
-        self.lora_modules = list(lora_modules)
-        self.model_names = list(model_names)
-        self.replicas: list[ReplicaState] = []
-        kv = config.kv_transfer_config
-        # disaggregated prefill/decode: the first replicas prefill, the others decode
-        num_prefill = kv.num_prefill(self.size) if kv is not None else 0
-        self.prefill_ids = tuple(range(num_prefill))
-        self.decode_ids = tuple(range(num_prefill, self.size)) if kv is not None else ()
-        self._inited_ray = False  # this process connected to Ray (and started it, if not joined)
-
-    def connect(self) -> None:
-        """Start Ray on this machine, or join the cluster at data_parallel_address. Ray's own
-        processes started here are bound to the life of the calling thread (their parent
-        death signal is per thread): call it on one that lives as long as the replicas."""
-        try:
-            import ray
-        except ImportError:
-            raise ValueError("data_parallel_size > 1 runs its replicas on Ray, which is not "
-                             "installed: pip install 'jaxllm[distributed]'") from None
-        address = self.config.data_parallel_address
-        cores = sorted(os.sched_getaffinity(0))
-        if not ray.is_initialized():
-            # ray.init on the main thread makes SIGTERM exit at once; the server drains on it
-            # (uvicorn's handler), so whatever handled it before handles it after
-            main = threading.current_thread() is threading.main_thread()
-            before = signal.getsignal(signal.SIGTERM) if main else None
-            if address:
-                ray.init(address=address, configure_logging=False, log_to_driver=True,
-                         namespace="jaxllm")
-            else:
-                ray.init(address="local", num_cpus=len(cores), include_dashboard=False,
-                         configure_logging=False,
-                         log_to_driver=True, namespace="jaxllm")
-            if before is not None:
-                signal.signal(signal.SIGTERM, before)
-            self._inited_ray = True
-
-    def start(self) -> list[dict]:
-        """Place the replicas (connecting to Ray first if not yet) and wait until each has
-        its engine up; their info(). An engine that cannot start raises its error here."""
-        self.connect()
-        import ray
-        address = self.config.data_parallel_address
-        cores = sorted(os.sched_getaffinity(0))
-        local = not address
-        resources = ray.cluster_resources()
-        tp = self.config.tensor_parallel_size
-        gpus = int(resources.get("GPU", 0))
-        placements = []
-        if 0 < gpus < self.size * tp:
-            raise ValueError(f"data_parallel_size {self.size} x tensor_parallel_size {tp} needs "
-                             f"{self.size * tp} GPUs; Ray sees {gpus}")
-        if gpus >= self.size * tp:
-            placements = [{"num_gpus": tp, "num_cpus": 1}] * self.size
-            pins = [None] * self.size
-            where = f"{tp} GPU(s) each"
-        elif local:
-            share = len(cores) // self.size
-            if share == 0:
-                logger.warning("%d replicas share %d CPU cores: they will contend for them",
-                               self.size, len(cores))
-                pins = [None] * self.size
-                placements = [{"num_cpus": len(cores) / self.size}] * self.size
-            else:
-                pins = [cores[i * share:(i + 1) * share] for i in range(self.size)]
-                placements = [{"num_cpus": share}] * self.size
-            where = (f"CPU cores {', '.join(','.join(map(str, p)) for p in pins)}"
-                     if pins[0] is not None else "shared CPU cores")
-        else:  # a cluster of CPU machines: one replica per machine where they fit
-            per = max(1, int(resources.get("CPU", 1)) // self.size)
-            placements = [{"num_cpus": per, "scheduling_strategy": "SPREAD"}] * self.size
-            pins = [None] * self.size
-            where = f"{per} CPU(s) each, spread over the cluster"
-        from jaxllm.distributed.replica import Replica
-        cls = ray.remote(Replica)
-        logger.info("starting %d replicas on Ray (%s; %s)", self.size,
-                    f"cluster {address}" if address else "this machine", where)
-        for i in range(self.size):
-            handle = cls.options(max_restarts=MAX_RESTARTS, max_task_retries=0,
-                                 **placements[i]).remote(
-                self.replica_config, i, pins[i], self.lora_modules, self.model_names,
-                logging.getLogger("jaxllm").getEffectiveLevel())
-            self.replicas.append(ReplicaState(i, handle))
-        infos = []
-        for r in self.replicas:
-            try:
-                info = ray.get(r.handle.info.remote())
-            except Exception as e:  # its engine could not start: so the set does not
-                self.kill()
-                cause = getattr(e, "cause", None)  # a RayTaskError carries the engine's error
-                if isinstance(cause, ValueError):
-                    raise ValueError(f"replica {r.index}: {cause}") from None
-                raise RuntimeError(f"replica {r.index} failed to start: {describe_error(e)}") from None
-            r.info, r.incarnation, r.state = info, info["incarnation"], "up"
-            infos.append(info)
-        logger.info("replicas up: %s", "; ".join(
-            f"{i['index']} ({self.role(i['index'])}, pid {i['pid']} on {i['node']}, "
-            f"{i['startup_seconds']:.1f} s)" for i in infos))
-        return infos
-
-    def handle(self, index: int):
-        return self.replicas[index].handle
-
-    def live(self) -> list[int]:
-        return [r.index for r in self.replicas if r.state == "up"]
-
-    def role(self, index: int) -> str:
-        return ("prefill" if index in self.prefill_ids else "decode" if index in self.decode_ids
-                else "both")
-
-    def kill(self) -> None:
-        """The replicas stop (Ray does not restart them)."""
-        import ray
-        for r in self.replicas:
-            try:
-                ray.kill(r.handle, no_restart=True)
-            except Exception:  # already gone
-                pass
-        self.replicas = []
-
-    def shutdown(self) -> None:
-        """The replicas stop, and Ray with them if this process started it (on the thread
-        that connected)."""
-        import ray
-        self.kill()
-        if self._inited_ray and ray.is_initialized():
-            ray.shutdown()  # stops the cluster this process started; leaves a joined one
-            self._inited_ray = False
-
-
-def _front_parts(config: EngineConfig, info: dict):
-    """The front end's tokenizer, input processor and grammar manager, as replica 0 has them."""
-    from jaxllm.loader.loader import get_tokenizer
-    from jaxllm.structured_output.manager import StructuredOutputManager
-    tokenizer = get_tokenizer(config.tokenizer or config.model) if info["has_tokenizer"] else None
-    structured = StructuredOutputManager(
-        tokenizer, info["vocab_size"], info["eos_token_id"],
-        allow_additional_properties=config.structured_outputs_allow_additional_properties)
-    inputs = InputProcessor(tokenizer, info["vocab_size"], info["max_model_len"], structured,
-                            speculative=info["speculative_tokens"] > 0)
-    return tokenizer, inputs, structured
-
-
-class _Totals:
-    """The replicas' engine counters summed, each kept monotonic across its restarts (a new
-    life starts its counters at zero)."""
-
-    SKIP = ("incarnation", "alive", "steps", "max_lora", "lora_running", "lora_waiting")
-    GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
-              "kv_total_slots", "peak_running")
-
-    def __init__(self, size: int):
-        self.base = [dict() for _ in range(size)]   # counters of earlier lives
-        self.last = [dict() for _ in range(size)]
-        self.life = [None] * size
-        self.peak = 0
-
-    def update(self, i: int, stats: dict, prefill: bool = False) -> None:
-        """prefill: a prefill replica, whose one generated token per request is thrown away
-        (not counted as generated)."""
-        if prefill:
-            stats = {**stats, "generation_tokens": 0}
-        if stats.get("incarnation") != self.life[i]:
-            if self.life[i] is not None:
-                for k, v in self.last[i].items():
-                    if k not in self.GAUGES and k not in self.SKIP:
-                        self.base[i][k] = _add(self.base[i].get(k), v)
-            self.life[i] = stats.get("incarnation")
-        self.last[i] = stats
-
-    def total(self, up: list[bool]) -> dict:
-        out: dict = dict.fromkeys(self.GAUGES, 0)
-        for i, stats in enumerate(self.last):
-            for k, v in stats.items():
-                if k in self.SKIP:
-                    continue
-                if k in self.GAUGES:
-                    if up[i]:
-                        out[k] = out.get(k, 0) + v
-                else:
-                    out[k] = _add(out.get(k), _add(self.base[i].get(k), v))
-        slots = sum(s.get("kv_total_slots", 0) for s, u in zip(self.last, up) if u)
-        # usage weighted by each replica's capacity
-        used = sum(s.get("kv_cache_usage_perc", 0) * s.get("kv_total_slots", 0)
-                   for s, u in zip(self.last, up) if u)
-        out["kv_cache_usage_perc"] = used / slots if slots else 0.0
-        self.peak = max(self.peak, out.get("num_requests_running", 0))
-        out["peak_running"] = self.peak
-        for s in self.last:  # adapters: counts summed, the slots are per replica
-            if "lora_running" in s:
-                out["max_lora"] = s["max_lora"]
-                for key in ("lora_running", "lora_waiting"):
-                    merged = out.setdefault(key, {})
-                    for name, n in s[key].items():
-                        merged[name] = merged.get(name, 0) + n
-        return out
-
-
-def _add(a, b):
-    if a is None:
-        return list(b) if isinstance(b, list) else b
-    if isinstance(b, list):
-        return [x + y for x, y in zip(a, b)]
-    return a + b
 
 
 @dataclass
@@ -322,7 +66,7 @@ class DataParallelEngine(EngineFront):
         self._watchers: list[asyncio.Task] = []
         self._runtime_loras: dict[int, object] = {}   # added after start: re-added on restarts
         self._attempts = 0  # prefills sent (their request ids stay unique across resends)
-        self._totals = _Totals(config.data_parallel_size)
+        self._totals = Totals(config.data_parallel_size)
         self._thread = threading.Thread(target=self._boot, name="jaxllm-replicas", daemon=True)
         self._stopping = False
 
@@ -344,7 +88,7 @@ class DataParallelEngine(EngineFront):
             infos = self.set.start()
             info = infos[0]
             self.info = info
-            self.tokenizer, self.inputs, self.structured = _front_parts(self.config, info)
+            self.tokenizer, self.inputs, self.structured = front_parts(self.config, info)
             self.router = Router(self.set.size, info["block_size"],
                                  min(i["num_blocks"] for i in infos), self.config.routing_policy)
         except BaseException as e:
@@ -399,7 +143,7 @@ class DataParallelEngine(EngineFront):
 
     # the replicas' health
     async def _watch(self, r: ReplicaState) -> None:
-        rx = _ray_errors()
+        rx = ray_errors()
         while not self._stopping:
             try:
                 stats = await r.handle.stats.remote()
@@ -523,7 +267,7 @@ class DataParallelEngine(EngineFront):
         if not any(i not in exclude and i not in prefill for i in self.set.live()):
             raise EngineDeadError("no replica is up to run the request (restarting)")
         kv, prefilling = None, None
-        ids, key = request.prompt_token_ids, _router_key(request)
+        ids, key = request.prompt_token_ids, router_key(request)
         decision = self.router.route(ids, key, exclude=(*exclude, *prefill))
         target = self.set.handle(decision.replica)
         if (prefill and len(ids) > self.router.block_size and request.params.prompt_logprobs is None
@@ -567,7 +311,7 @@ class DataParallelEngine(EngineFront):
 
     async def _outputs(self, request_id: str, request: EngineRequest,
                        priority: int) -> AsyncIterator[RequestOutput]:
-        rx = _ray_errors()
+        rx = ray_errors()
         run = self._running[request_id]
         streamed, finished, tried = False, False, (run.decision.replica,)
         try:
@@ -640,108 +384,3 @@ class DataParallelEngine(EngineFront):
         """Requests waiting in the replicas (as last polled)."""
         return sum(r.stats.get("num_requests_waiting", 0) for r in self.set.replicas
                    if r.state == "up")
-
-
-class DataParallelLLMEngine:
-    """The offline engine when LLM has replicas: LLMEngine's surface as LLM uses it."""
-
-    is_follower = False
-
-    def __init__(self, config: EngineConfig, lora_modules=(), model_names=()):
-        self.config = config
-        self.set = ReplicaSet(config, lora_modules, model_names)
-        try:
-            infos = self.set.start()
-        except BaseException:
-            self.set.shutdown()
-            raise
-        self.info = infos[0]
-        self.tokenizer, self.inputs, self.structured = _front_parts(config, self.info)
-        self.eos_token_id = self.info["eos_token_id"]
-        self.router = Router(self.set.size, self.info["block_size"],
-                             min(i["num_blocks"] for i in infos), config.routing_policy)
-        self._pending: dict[int, list] = {}
-        self._batches: dict = {}    # ObjectRef -> (replica, [(request_id, request, decision)])
-        self._loras: list = []
-
-    def process_inputs(self, prompt, params=None, lora_request=None) -> EngineRequest:
-        return self.inputs.process(prompt, params, lora_request)
-
-    def add_lora(self, lora_request) -> bool:
-        import ray
-        if lora_request not in self._loras:
-            ray.get([self.set.handle(i).add_lora.remote(lora_request) for i in self.set.live()])
-            self._loras.append(lora_request)
-        return True
-
-    def add_request(self, request_id: str, prompt, params=None, arrival_time=None,
-                    priority: int = 0, lora_request=None) -> None:
-        if priority != 0:
-            raise ValueError("priority is not supported with data_parallel_size > 1 offline")
-        req = self.inputs.process(prompt, params, lora_request)
-        if lora_request is not None and req.lora_request is None:
-            req.lora_request = lora_request
-        self._queue(request_id, req, ())
-
-    def _queue(self, request_id: str, req: EngineRequest, exclude: tuple) -> None:
-        decision = self.router.route(req.prompt_token_ids, _router_key(req), exclude)
-        self._pending.setdefault(decision.replica, []).append((request_id, req, decision))
-
-    def step(self) -> list[RequestOutput]:
-        """Send the batches queued since the last step; the outputs of the next batch done."""
-        import ray
-        rx = _ray_errors()
-        for i, items in self._pending.items():
-            ref = self.set.handle(i).run_batch.remote([(rid, req) for rid, req, _ in items])
-            self._batches[ref] = (i, items)
-        self._pending = {}
-        if not self._batches:
-            return []
-        [ref], _ = ray.wait(list(self._batches), num_returns=1)
-        replica, items = self._batches.pop(ref)
-        try:
-            outs = ray.get(ref)
-        except rx.RayTaskError as e:
-            if isinstance(getattr(e, "cause", None), ValueError):
-                raise ValueError(str(e.cause)) from None
-            if not isinstance(getattr(e, "cause", None), EngineDeadError):
-                raise
-            return self._resend(replica, items, e)
-        except rx.RayActorError as e:
-            return self._resend(replica, items, e)
-        for (_, _, decision), out in zip(items, outs):
-            self.router.finished(decision, max(out.num_cached_tokens, 0))
-        return outs
-
-    def _resend(self, replica: int, items: list, error) -> list:
-        """Offline outputs come at the end: a failed batch is run again elsewhere."""
-        self.router.set_alive(replica, False)
-        others = [i for i in range(self.set.size) if i != replica and self.router.replicas[i].alive]
-        if not others:
-            raise EngineDeadError(f"every replica failed (last: replica {replica}: "
-                                  f"{describe_error(error)})")
-        logger.warning("replica %d failed (%s); its %d requests run on the others", replica,
-                       describe_error(error), len(items))
-        for rid, req, _ in items:
-            self._queue(rid, req, (replica,))
-        return []
-
-    def abort_request(self, request_id) -> None:
-        import ray
-        ids = {request_id} if isinstance(request_id, str) else set(request_id)
-        for i in list(self._pending):
-            self._pending[i] = [it for it in self._pending[i] if it[0] not in ids]
-        for ref, (_, items) in list(self._batches.items()):
-            if any(rid in ids for rid, _, _ in items):
-                ray.cancel(ref)
-                del self._batches[ref]
-
-    def has_unfinished_requests(self) -> bool:
-        return bool(self._batches) or any(self._pending.values())
-
-    def memory_report(self) -> list[dict]:
-        import ray
-        return ray.get([self.set.handle(i).memory_report.remote() for i in self.set.live()])
-
-    def shutdown(self) -> None:
-        self.set.shutdown()

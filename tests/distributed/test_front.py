@@ -3,7 +3,7 @@ configuration refused by field, and the routing exclusions a resent request need
 import pytest
 
 from jaxllm.config import EngineConfig
-from jaxllm.distributed.data_parallel import _Totals
+from jaxllm.distributed.replica_set import Totals as _Totals
 from jaxllm.kv_transfer_config import KVTransferConfig
 from jaxllm.distributed.router import Router
 

@@ -63,7 +63,7 @@ _decode.failures = 0
 
 
 def test_moved_blocks_give_one_engines_outputs(pair, reference):
-    from jaxllm.distributed.data_parallel import prefill_request
+    from jaxllm.distributed.replica_set import prefill_request
     producer, consumer = pair
 
     async def run():
@@ -90,7 +90,7 @@ def test_moved_blocks_give_one_engines_outputs(pair, reference):
 
 
 def test_a_failed_or_mismatched_transfer_falls_back_to_computing_the_prompt(pair, reference, caplog):
-    from jaxllm.distributed.data_parallel import prefill_request
+    from jaxllm.distributed.replica_set import prefill_request
     producer, consumer = pair
     prompt, (want_ids, _) = "A new prompt nobody cached: " + PROMPTS[2], reference[2]
 

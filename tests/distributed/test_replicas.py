@@ -121,7 +121,7 @@ def test_streams_on_both_replicas_and_their_cancellation(server):
 
 
 def test_lora_and_structured_outputs_through_the_replicas(server):
-    base, c = server["base"], client(server["base"])
+    c = client(server["base"])
     assert {m.id for m in c.models.list().data} == {MODEL, ADAPTER}
     prompt = "The bakery opens at"
     base_out = c.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0,
