@@ -41,6 +41,9 @@ KERNEL_SHAPES = [  # (name, dtype, heads, kv_heads, head_dim, sliding window, so
     ("smollm2-135m", "bfloat16", 9, 3, 64, None, None),
     ("llama-3-8b f32", "float32", 32, 8, 128, None, None),
     ("f32 window soft-cap", "float32", 8, 8, 64, 16, 30.0),
+    ("phi-2", "bfloat16", 32, 32, 80, None, None),
+    ("head size 96", "bfloat16", 28, 4, 96, None, None),
+    ("gemma-2-9b", "bfloat16", 16, 8, 256, 4096, 50.0),
 ]
 
 
@@ -139,6 +142,7 @@ def np_prod(dims: str) -> int:
 def compile_kernels(rep, arch: str) -> list[dict]:
     from jaxllm.layers.attention_metadata import table_width
     from jaxllm.runner.step_programs import abstract_step_inputs
+    from pallas_kernels import mosaic_paged_attention as mosaic
     from pallas_kernels.ragged_paged_attention import q_tile, ragged_paged_attention
 
     T, S, bs, max_len, blocks, layers = 512, 64, 16, 4096, 2048, 2
@@ -148,19 +152,26 @@ def compile_kernels(rep, arch: str) -> list[dict]:
         sds = lambda shape, d: jax.ShapeDtypeStruct(shape, d, sharding=rep)  # noqa: E731
         md = abstract_step_inputs(T, S, bs, table_width(max_len, bs), q_tile(H // KVH))[1]
         md = jax.tree.map(lambda x: sds(x.shape, x.dtype), md)
-        fn = jax.jit(lambda q, c, md, D=D, window=window, cap=cap: ragged_paged_attention(
-            q, c, 1, md, D ** -0.5, window, cap))
-        _fresh_dump()
-        row = dict(shape=name, dtype=dtype, heads=H, kv_heads=KVH, head_dim=D)
-        t0 = time.perf_counter()
-        try:
-            fn.lower(sds((T, H, D), dt), sds((layers, 2, KVH, blocks * bs, D), dt), md).compile()
-            row["compile_s"] = round(time.perf_counter() - t0, 2)
-            row["kernels"] = _kernel_reports(arch)
-        except Exception as e:  # a kernel that does not build is the finding
-            row["error"] = str(e).splitlines()[0][:400]
-        rows.append(row)
-        print(row, flush=True)
+        for kernels in ("triton", "mosaic"):
+            if kernels == "mosaic" and mosaic.supports(dt, D):
+                continue
+            fn = jax.jit(lambda q, c, md, D=D, window=window, cap=cap, k=kernels:
+                         ragged_paged_attention(q, c, 1, md, D ** -0.5, window, cap, kernels=k))
+            _fresh_dump()
+            row = dict(shape=name, family=kernels, dtype=dtype, heads=H, kv_heads=KVH,
+                       head_dim=D)
+            t0 = time.perf_counter()
+            try:
+                fn.lower(sds((T, H, D), dt), sds((layers, 2, KVH, blocks * bs, D), dt),
+                         md).compile()
+                row["compile_s"] = round(time.perf_counter() - t0, 2)
+                # the Mosaic kernels are built by their own pipeline: no PTX in XLA's dump
+                if kernels == "triton":
+                    row["kernels"] = _kernel_reports(arch)
+            except Exception as e:  # a kernel that does not build is the finding
+                row["error"] = str(e).splitlines()[0][:400]
+            rows.append(row)
+            print(row, flush=True)
     return rows
 
 
@@ -275,7 +286,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="compile the step with weights quantized this way (weight bytes and any "
                         "dequantized copy of a weight in the compiled program are reported)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"])
-    p.add_argument("--attention-backend", default="pallas", choices=["pallas", "xla"])
+    p.add_argument("--attention-backend", default="pallas",
+                   choices=["pallas", "pallas-mosaic", "pallas-triton", "xla"],
+                   help="pallas: chosen for the target GPU and cache as the engine chooses")
     p.add_argument("--steps", default="8192x256,256x256,32x32,1x1",
                    help="TOKENSxSEQS step shapes to compile ('' to skip the engine step)")
     p.add_argument("--max-model-len", type=int, default=4096)
@@ -305,6 +318,14 @@ def run(args) -> None:
     except Exception as e:
         raise SystemExit(f"no CUDA compiler here ({e}); install JAX's CUDA plugin: "
                          'pip install "jax[cuda13]"') from e
+    if args.attention_backend == "pallas":  # as the engine would choose on this GPU
+        from jaxllm.kernels import attention_backend
+        from jaxllm.quantization import kv as kvq
+        cc = re.search(r"cuda_compute_capability\s*{\s*major:\s*(\d+)(?:\s*minor:\s*(\d+))?",
+                       target)
+        args.attention_backend = attention_backend(
+            "pallas", "gpu", jnp.dtype(args.dtype), kvq.storage_dtype(args.kv_cache_dtype) is not None,
+            compute_capability=f"{cc.group(1)}.{cc.group(2) or 0}" if cc else None)[0]
     mesh = make_mesh(args.tensor_parallel_size, devices=topo.devices)
     device = topo.devices[0].device_kind
     memory = int(re.search(r"device_memory_size:\s*(\d+)", target).group(1))

@@ -75,9 +75,11 @@ pack() {  # the device tool brings back at most 8 files, and nothing of a run it
 
 if want tests; then
   if [ "${SUITE_SCALE:-full}" = small ]; then  # no GPU: the kernels in interpret mode
-    step "kernel tests" python3 -m pytest -q tests/kernels/test_kernels.py
+    step "kernel tests" python3 -m pytest -q tests/kernels/test_kernels.py \
+      tests/kernels/test_mosaic_kernels.py
   else
-    step "gpu tests" env JAXLLM_GPU_TESTS=1 python3 -m pytest -q tests/kernels/test_kernels.py
+    step "gpu tests" env JAXLLM_GPU_TESTS=1 python3 -m pytest -q tests/kernels/test_kernels.py \
+      tests/kernels/test_mosaic_kernels.py
   fi
 fi
 want kernels && step "kernel benchmark" python3 -m jaxllm.cli bench kernels --grid "$KGRID" \

@@ -1,10 +1,12 @@
 """`jaxllm bench kernels`: paged attention timed against the hardware limits measured in the
-same run. Decode over a grid of batch x context, for our Pallas kernel, JAX's own
+same run. Decode over a grid of batch x context, for our two Pallas kernel families (Mosaic
+GPU, where the GPU and dtype allow it, and Triton), JAX's own
 `jax.experimental.pallas.ops.gpu.paged_attention` and our XLA path, reported as KV bytes read
 per second and as a fraction of a large copy's bandwidth; prefill over chunk sizes, reported as
-TFLOP/s and as a fraction of a large bf16 matmul. On a CPU the kernels run in Pallas'
-interpreter over a small grid, so that CI exercises the command (those numbers say nothing
-about a GPU)."""
+TFLOP/s and as a fraction of a large bf16 matmul. Each timing rotates through enough copies of
+the case's KV cache that together they are four times any GPU's L2 (one small cache timed back
+to back would be read from L2). On a CPU the kernels run in their interpreters over a small
+grid, so that CI exercises the command (those numbers say nothing about a GPU)."""
 from __future__ import annotations
 
 import argparse
@@ -16,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import write_result
-from benchmarks.peaks import bench, measure_copy_bandwidth, measure_matmul_flops
+from benchmarks.peaks import (bench, bench_rotated, measure_copy_bandwidth, measure_matmul_flops,
+                              rotations)
 
 GRIDS = {
     "full": dict(decode=[(b, c) for b in (1, 8, 32, 128) for c in (512, 1024, 4096, 8192)],
@@ -41,7 +44,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tag", default=None)
 
 
-def _case(batch: int, ctx: int, q_len: int, args, dtype, on_gpu: bool):
+def _case(batch: int, ctx: int, q_len: int, args, dtype, on_gpu: bool, seed: int = 0):
     """A batch of `batch` sequences, each with `ctx` cached tokens and `q_len` new ones, in
     shuffled blocks of a cache big enough for all of them (one layer)."""
     from jaxllm.layers.attention_metadata import attention_metadata
@@ -62,7 +65,7 @@ def _case(batch: int, ctx: int, q_len: int, args, dtype, on_gpu: bool):
     # the kernels cut prefill tiles by the GQA group, the XLA path by the step
     md = attention_metadata(starts, n, tables, T, batch, bs, q_tile(G))
     md_xla = attention_metadata(starts, n, tables, T, batch, bs)
-    key = jax.random.key(0)
+    key = jax.random.key(seed)
     cache = jax.random.normal(key, (1, 2, args.kv_heads, num_blocks * bs, args.head_dim), dtype)
     q = jax.random.normal(key, (T, args.heads, args.head_dim), dtype)
     return q, cache, jax.tree.map(jnp.asarray, md), jax.tree.map(jnp.asarray, md_xla)
@@ -92,7 +95,27 @@ DECODE_VARIANTS = [(64, 4, None), (128, 4, None), (128, 8, None), (256, 8, None)
 PREFILL_VARIANTS = [(64, 4), (64, 8), (128, 4), (128, 8)]
 
 
-def _sweep(args, dtype, on_gpu, interpret, bw, flops_peak) -> dict:
+# the Mosaic kernels': the depth of the K/V ring, and decode splits
+MOSAIC_DECODE_VARIANTS = [(2, None), (3, None), (4, None), (2, 1), (2, 4), (2, 16)]
+MOSAIC_PREFILL_VARIANTS = [1, 2, 3]
+
+
+def _variant(fn, sets, row, work, peak, unit, iters, on_gpu) -> dict:
+    try:
+        secs = _time(fn, sets, lambda s: s[:3], iters, on_gpu)
+        key = "gb_s" if unit == "bytes" else "tflop_s"
+        row.update({"ms": secs * 1e3, key: work / secs / (1e9 if unit == "bytes" else 1e12),
+                    "frac_of_copy_bw" if unit == "bytes" else "frac_of_matmul": work / secs / peak})
+    except Exception as e:  # a variant that does not build (shared memory) is a result too
+        row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    print("  variant " + " ".join(f"{k} {v}" for k, v in row.items() if k in (
+        "kernels", "keys", "num_warps", "k_splits", "stages")) + ": "
+          + (f"{row['gb_s']:8.1f} GB/s" if "gb_s" in row else
+             f"{row['tflop_s']:7.2f} TFLOP/s" if "tflop_s" in row else row["error"]))
+    return row
+
+
+def _sweep(args, dtype, on_gpu, interpret, bw, flops_peak, mosaic: bool) -> dict:
     """Our kernels with each tile variant on the grid's largest decode and prefill shapes."""
     from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
@@ -100,39 +123,52 @@ def _sweep(args, dtype, on_gpu, interpret, bw, flops_peak) -> dict:
     scale, layer, item = args.head_dim ** -0.5, jnp.int32(0), dtype.itemsize
     out = {"decode": [], "prefill": []}
     batch, ctx = grid["decode"][-1]
-    q, cache, md, _ = _case(batch, ctx - 1, 1, args, dtype, on_gpu)
+    sets = _rotated(batch, ctx - 1, 1, args, dtype, on_gpu)
     kv_bytes = batch * ctx * args.kv_heads * args.head_dim * 2 * item
-    for keys, warps, splits in DECODE_VARIANTS:
-        fn = jax.jit(lambda q, c, md, keys=keys, warps=warps, splits=splits: ragged_paged_attention(
-            q, c, layer, md, scale, interpret=interpret, k_splits=splits,
-            tuning={"decode": {"keys": keys, "num_warps": warps}}))
-        row = {"batch": batch, "context": ctx, "keys": keys, "num_warps": warps, "k_splits": splits}
-        try:
-            secs = bench(fn, q, cache, md, iters=args.iters)
-            row.update(ms=secs * 1e3, gb_s=kv_bytes / secs / 1e9, frac_of_copy_bw=kv_bytes / secs / bw)
-        except Exception as e:  # a variant that does not build (shared memory) is a result too
-            row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-        out["decode"].append(row)
-        print(f"  decode variant keys {keys:>3} warps {warps} splits {splits}: "
-              + (f"{row['gb_s']:8.1f} GB/s" if "gb_s" in row else row["error"]))
+    variants = [("triton", dict(keys=k, num_warps=w), sp) for k, w, sp in DECODE_VARIANTS]
+    if mosaic:
+        variants += [("mosaic", dict(stages=st), sp) for st, sp in MOSAIC_DECODE_VARIANTS]
+    for kernels, tune, splits in variants:
+        fn = jax.jit(lambda q, c, md, k=kernels, t=tune, sp=splits: ragged_paged_attention(
+            q, c, layer, md, scale, interpret=interpret, k_splits=sp, kernels=k,
+            tuning={"decode": t}))
+        row = {"batch": batch, "context": ctx, "kernels": kernels, **tune, "k_splits": splits}
+        out["decode"].append(_variant(fn, sets, row, kv_bytes, bw, "bytes", args.iters, on_gpu))
+    del sets
     chunk = grid["prefill"][-1]
-    q, cache, md, _ = _case(1, 0, chunk, args, dtype, on_gpu)
+    sets = _rotated(1, 0, chunk, args, dtype, on_gpu)
     flops = 4 * args.heads * args.head_dim * chunk * (chunk + 1) / 2
-    for keys, warps in PREFILL_VARIANTS:
-        fn = jax.jit(lambda q, c, md, keys=keys, warps=warps: ragged_paged_attention(
-            q, c, layer, md, scale, interpret=interpret,
-            tuning={"prefill": {"keys": keys, "num_warps": warps}}))
-        row = {"chunk": chunk, "keys": keys, "num_warps": warps}
-        try:
-            secs = bench(fn, q, cache, md, iters=args.iters)
-            row.update(ms=secs * 1e3, tflop_s=flops / secs / 1e12,
-                       frac_of_matmul=flops / secs / flops_peak)
-        except Exception as e:
-            row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-        out["prefill"].append(row)
-        print(f"  prefill variant keys {keys:>3} warps {warps}: "
-              + (f"{row['tflop_s']:7.2f} TFLOP/s" if "tflop_s" in row else row["error"]))
+    variants = [("triton", dict(keys=k, num_warps=w)) for k, w in PREFILL_VARIANTS]
+    if mosaic:
+        variants += [("mosaic", dict(stages=st)) for st in MOSAIC_PREFILL_VARIANTS]
+    for kernels, tune in variants:
+        fn = jax.jit(lambda q, c, md, k=kernels, t=tune: ragged_paged_attention(
+            q, c, layer, md, scale, interpret=interpret, kernels=k, tuning={"prefill": t}))
+        row = {"chunk": chunk, "kernels": kernels, **tune}
+        out["prefill"].append(_variant(fn, sets, row, flops, flops_peak, "flops", args.iters,
+                                       on_gpu))
     return out
+
+
+def _rotated(batch, ctx, q_len, args, dtype, on_gpu):
+    """The case and as many differently-seeded copies of it as rotations() asks for."""
+    first = _case(batch, ctx, q_len, args, dtype, on_gpu)
+    n = rotations(first[1].nbytes) if on_gpu else 1
+    return [first] + [_case(batch, ctx, q_len, args, dtype, on_gpu, seed=i) for i in range(1, n)]
+
+
+def mosaic_applies(dtype, head_dim: int, on_gpu: bool) -> str | None:
+    """None when the Mosaic kernels can run here, else why not."""
+    from pallas_kernels import mosaic_paged_attention as mosaic
+    why = mosaic.supports(dtype, head_dim)
+    cc = getattr(jax.devices()[0], "compute_capability", None)
+    if why is None and on_gpu and (cc is None or float(cc) < 9.0):
+        why = f"Mosaic GPU needs a Hopper or later GPU (sm_{cc})"
+    return why
+
+
+def _time(fn, sets, pick, iters, on_gpu):
+    return bench_rotated(fn, [pick(s) for s in sets], iters=iters, warm_s=0.5 if on_gpu else 0.0)
 
 
 def run(args) -> int:
@@ -149,47 +185,58 @@ def run(args) -> int:
           + ("  (interpret mode on CPU: not GPU numbers)" if interpret else ""))
     scale = args.head_dim ** -0.5
     layer = jnp.int32(0)
-    ours = jax.jit(lambda q, c, md: ragged_paged_attention(q, c, layer, md, scale, interpret=interpret))
+    ours = {f"jaxllm_{k}": jax.jit(lambda q, c, md, k=k: ragged_paged_attention(
+        q, c, layer, md, scale, interpret=interpret, kernels=k)) for k in ("triton", "mosaic")}
+    no_mosaic = mosaic_applies(dtype, args.head_dim, on_gpu)
+    if no_mosaic:
+        print(f"the Mosaic kernels are left out: {no_mosaic}")
+        ours.pop("jaxllm_mosaic")
     xla = jax.jit(lambda q, c, md: paged_attention_xla(q, c, layer, md, scale))
     rows = {"decode": [], "prefill": []}
     item = dtype.itemsize
     for batch, ctx in grid["decode"]:
-        q, cache, md, md_xla = _case(batch, ctx - 1, 1, args, dtype, on_gpu)
+        sets = _rotated(batch, ctx - 1, 1, args, dtype, on_gpu)
         kv_bytes = batch * ctx * args.kv_heads * args.head_dim * 2 * item
-        row = {"batch": batch, "context": ctx, "kv_bytes": kv_bytes}
-        for name, fn, fargs in (("jaxllm_pallas", ours, (q, cache, md)), ("xla", xla, (q, cache, md_xla))):
-            secs = bench(fn, *fargs, iters=args.iters)
+        row = {"batch": batch, "context": ctx, "kv_bytes": kv_bytes, "rotated_caches": len(sets)}
+        for name, fn, pick in ([(n, f, lambda s: s[:3]) for n, f in ours.items()]
+                               + [("xla", xla, lambda s: (s[0], s[1], s[3]))]):
+            secs = _time(fn, sets, pick, args.iters, on_gpu)
             row[name] = {"ms": secs * 1e3, "gb_s": kv_bytes / secs / 1e9,
                          "frac_of_copy_bw": kv_bytes / secs / bw}
         try:
-            fn, fargs = _jax_paged_attention(q, cache, md, args, interpret)
-            secs = bench(fn, *fargs, iters=args.iters)
+            made = [_jax_paged_attention(s[0], s[1], s[2], args, interpret) for s in sets]
+            secs = bench_rotated(made[0][0], [m[1] for m in made], iters=args.iters)
             row["jax_paged_attention"] = {"ms": secs * 1e3, "gb_s": kv_bytes / secs / 1e9,
                                           "frac_of_copy_bw": kv_bytes / secs / bw}
         except Exception as e:  # its constraints on shapes are narrower than ours
             row["jax_paged_attention"] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
         rows["decode"].append(row)
         j = row["jax_paged_attention"]
-        print(f"decode batch {batch:>4} ctx {ctx:>5}: ours {row['jaxllm_pallas']['gb_s']:8.1f} GB/s "
-              f"({100 * row['jaxllm_pallas']['frac_of_copy_bw']:5.1f}% of copy)  "
-              f"jax {j.get('gb_s', float('nan')):8.1f} GB/s  xla {row['xla']['gb_s']:8.1f} GB/s")
+        print(f"decode batch {batch:>4} ctx {ctx:>5}: " + "  ".join(
+            f"{n[7:]} {row[n]['gb_s']:8.1f} GB/s ({100 * row[n]['frac_of_copy_bw']:5.1f}%)"
+            for n in ours) + f"  jax {j.get('gb_s', float('nan')):8.1f}  xla {row['xla']['gb_s']:8.1f}")
+        del sets
     for chunk in grid["prefill"]:
-        q, cache, md, md_xla = _case(1, 0, chunk, args, dtype, on_gpu)
+        sets = _rotated(1, 0, chunk, args, dtype, on_gpu)
         flops = 4 * args.heads * args.head_dim * chunk * (chunk + 1) / 2
-        row = {"chunk": chunk, "flops": flops}
-        for name, fn, m in (("jaxllm_pallas", ours, md), ("xla", xla, md_xla)):
-            secs = bench(fn, q, cache, m, iters=args.iters)
+        row = {"chunk": chunk, "flops": flops, "rotated_caches": len(sets)}
+        for name, fn, pick in ([(n, f, lambda s: s[:3]) for n, f in ours.items()]
+                               + [("xla", xla, lambda s: (s[0], s[1], s[3]))]):
+            secs = _time(fn, sets, pick, args.iters, on_gpu)
             row[name] = {"ms": secs * 1e3, "tflop_s": flops / secs / 1e12,
                          "frac_of_matmul": flops / secs / flops_peak}
         rows["prefill"].append(row)
-        print(f"prefill chunk {chunk:>5}: ours {row['jaxllm_pallas']['tflop_s']:7.2f} TFLOP/s "
-              f"({100 * row['jaxllm_pallas']['frac_of_matmul']:5.1f}% of matmul)  "
-              f"xla {row['xla']['tflop_s']:7.2f} TFLOP/s")
-    sweep = _sweep(args, dtype, on_gpu, interpret, bw, flops_peak) if args.sweep else None
+        print(f"prefill chunk {chunk:>5}: " + "  ".join(
+            f"{n[7:]} {row[n]['tflop_s']:7.2f} TFLOP/s ({100 * row[n]['frac_of_matmul']:5.1f}%)"
+            for n in ours) + f"  xla {row['xla']['tflop_s']:7.2f}")
+        del sets
+    sweep = _sweep(args, dtype, on_gpu, interpret, bw, flops_peak, "jaxllm_mosaic" in ours) \
+        if args.sweep else None
     result = {"peaks": {"copy_gb_s": bw / 1e9, "bf16_matmul_tflop_s": flops_peak / 1e12},
-              "interpret": interpret, "shape": {"heads": args.heads, "kv_heads": args.kv_heads,
-                                                "head_dim": args.head_dim, "block_size": args.block_size,
-                                                "dtype": args.dtype}, **rows}
+              "interpret": interpret, "mosaic_left_out": no_mosaic,
+              "shape": {"heads": args.heads, "kv_heads": args.kv_heads,
+                        "head_dim": args.head_dim, "block_size": args.block_size,
+                        "dtype": args.dtype}, **rows}
     if sweep is not None:
         result["sweep"] = sweep
     write_result(args, result, "kernels")

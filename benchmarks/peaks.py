@@ -33,6 +33,33 @@ def bench(fn, *args, iters: int = 10, warmup: int = 2, warm_s: float = 0.0,
     return times[len(times) // 2]
 
 
+L2_BYTES = 64 << 20  # at least any GPU's L2 here (H100 50 MiB, H200 60 MiB)
+
+
+def rotations(nbytes: int, limit: int = 16) -> int:
+    """How many copies of an input of `nbytes` to rotate through so that together they are at
+    least four L2s: a kernel timed back to back on one small input reads it from L2."""
+    return max(1, min(limit, -(-4 * L2_BYTES // max(nbytes, 1))))
+
+
+def bench_rotated(fn, arg_sets: list, iters: int = 10, warm_s: float = 0.0) -> float:
+    """Median seconds of one fn call, each sample being fn over every argument set in turn,
+    launched back to back (bench's reps, over distinct inputs that L2 cannot hold)."""
+    for args in arg_sets:
+        jax.block_until_ready(fn(*args))  # compiles (once: the sets share shapes)
+    start = time.perf_counter()
+    while time.perf_counter() - start < warm_s:
+        jax.block_until_ready([fn(*a) for a in arg_sets])
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        outs = [fn(*a) for a in arg_sets]
+        jax.block_until_ready(outs)
+        times.append((time.perf_counter() - t) / len(arg_sets))
+    times.sort()
+    return times[len(times) // 2]
+
+
 def measure_copy_bandwidth(nbytes: int | None = None) -> float:
     """Bytes per second of a copy (read + write counted) of a large array of random values,
     many times the L2 of any GPU, timed over back-to-back copies after half a second of them.

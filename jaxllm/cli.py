@@ -83,8 +83,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "more), prompt chunks getting what the decodes leave (0: "
                         "max-num-batched-tokens; auto: 64 on a CPU, no cap on a GPU; `serve` "
                         "defaults to auto)")
-    g.add_argument("--attention-backend", default=None, choices=["auto", "pallas", "cpu", "xla"],
-                   help="paged attention: the Pallas kernels (default on GPU), the CPU kernels "
+    g.add_argument("--attention-backend", default=None,
+                   choices=["auto", "pallas", "pallas-mosaic", "pallas-triton", "cpu", "xla"],
+                   help="paged attention: the Pallas kernels (default on GPU: Mosaic GPU on "
+                        "Hopper and later, else Triton; or either by name), the CPU kernels "
                         "(default on CPU) or XLA's ops")
     g.add_argument("--matmul-backend", default=None,
                    choices=["auto", "cpu", "xla", "pallas", "pallas_interpret"],

@@ -13,7 +13,7 @@ from jaxllm.spec_decode.config import SpeculativeConfig
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 LOAD_FORMATS = ("auto", "dummy")
-ATTENTION_BACKENDS = ("auto", "pallas", "cpu", "xla")
+ATTENTION_BACKENDS = ("auto", "pallas", "pallas-mosaic", "pallas-triton", "cpu", "xla")
 ROUTING_POLICIES = ("prefix", "round_robin", "least_loaded")  # jaxllm.distributed.router
 
 
@@ -70,8 +70,10 @@ class EngineConfig:
     # offline throughput); None: 64 on a CPU (where a step costs in proportion to its
     # tokens), no cap on a GPU. `jaxllm serve` defaults to None
     max_num_batched_tokens_while_decoding: int | None = 0
-    # paged attention: "pallas" (the Pallas kernels; auto on a GPU), "cpu" (the CPU kernels;
-    # auto on a CPU where cpu_kernels) or "xla" (XLA's ops)
+    # paged attention: "pallas-mosaic" (the Mosaic GPU kernels, Hopper on), "pallas-triton"
+    # (the Triton ones), "pallas" (the better of the two for the device and cache; auto on a
+    # GPU), "cpu" (the CPU kernels; auto on a CPU where cpu_kernels) or "xla" (XLA's ops).
+    # Off a GPU the Pallas kernels run in their interpreters (tests).
     attention_backend: str = "auto"
     # where matmuls run: "auto" (the CPU kernels on one CPU device, the Pallas kernel for
     # group-quantized weights on one GPU, XLA's dots elsewhere), or one of them forced:

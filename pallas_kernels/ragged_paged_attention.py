@@ -124,6 +124,20 @@ def flat_pages(kv_cache: jax.Array, block_size: int) -> jax.Array:
     return kv_cache.reshape(L * two * KVH * (slots // block_size), block_size, D)
 
 
+def _load_pages(pages_ref, ids, width: int):
+    """Pages `ids` of the flat page array, each row padded with zeros to `width` (the next
+    power of two of the head size: Triton's blocks are powers of two); a masked gather when
+    the head size is not one (80, 96...)."""
+    _, bs, D = pages_ref.shape
+    if D == width:
+        return pages_ref[ids]
+    shape = (ids.shape[0], bs, width)
+    row = jax.lax.broadcasted_iota(jnp.int32, shape, 1)
+    col = jax.lax.broadcasted_iota(jnp.int32, shape, 2)
+    return pltriton.load(pages_ref.at[ids[:, None, None], row, jnp.minimum(col, D - 1)],
+                         mask=col < D, other=0)
+
+
 def _page_scales(scales_ref, k_pages, v_pages, chunk):
     """The per-token scales of a quantized cache's K and V pages (None, None otherwise)."""
     if scales_ref is None:
@@ -153,8 +167,8 @@ def _decode_kernel(layer_ref, q_ref, pages_ref, *refs, kv_heads, blocks, block_s
 
     def body(c, carry):
         ids = table_ref[pl.ds(c * pps, pps)]
-        k = pages_ref[k_base + ids].reshape(chunk, D)
-        v = pages_ref[v_base + ids].reshape(chunk, D)
+        k = _load_pages(pages_ref, k_base + ids, D).reshape(chunk, D)
+        v = _load_pages(pages_ref, v_base + ids, D).reshape(chunk, D)
         ks, vs = _page_scales(scales_ref, k_base + ids, v_base + ids, chunk)
         s = _scores(q, k, scale, soft_cap, prec, ks)
         pos = (first + c * pps) * block_size + jax.lax.broadcasted_iota(jnp.int32, (rows, chunk), 1)
@@ -179,15 +193,17 @@ def paged_decode(q, pages, layer, tables, lens, lo, *, kv_heads, blocks, block_s
 
     q: [S, KVH, G, D]; pages: flat_pages(cache); layer: [1] i32; tables: [S, MB];
     lens: [S] context lengths (0: padded row); lo: [S] first position in the window.
-    Returns [S, KVH, G, D] f32."""
-    S, KVH, G, D = q.shape
+    Returns [S, KVH, G, D] f32. A head size that is not a power of two is padded to one in
+    the kernel (q and the output here, the pages as they are loaded)."""
+    S, KVH, G, D_in = q.shape
+    D = next_pow2(D_in)
     rows = max(DECODE_ROWS, next_pow2(G))
     pps = pages_per_step(block_size, keys or keys_per_step(D, pages.dtype))
     width = max(next_pow2(tables.shape[1]), pps)
     k_splits = max(1, min(k_splits, width // pps))
     per_split = width // k_splits
     tables = jnp.pad(tables, ((0, 0), (0, width - tables.shape[1])))
-    qp = jnp.pad(q, ((0, 0), (0, 0), (0, rows - G), (0, 0)))
+    qp = jnp.pad(q, ((0, 0), (0, 0), (0, rows - G), (0, D - D_in)))
     quantized = page_scales is not None
     kernel = functools.partial(
         _decode_kernel, kv_heads=KVH, blocks=blocks, block_size=block_size,
@@ -223,7 +239,7 @@ def paged_decode(q, pages, layer, tables, lens, lo, *, kv_heads, blocks, block_s
     w = jnp.exp(m - m_all[None])
     l_all = (l * w).sum(axis=0)
     o = (o * w[..., None]).sum(axis=0) / jnp.maximum(l_all, 1e-30)[..., None]
-    return o[:, :, :G]
+    return o[:, :, :G, :D_in]
 
 
 # prefill tiles
@@ -247,8 +263,8 @@ def _tile_kernel(layer_ref, q_ref, pages_ref, *refs, kv_heads, blocks, block_siz
 
     def body(c, carry):
         ids = table_ref[pl.ds(c * pps, pps)]
-        k = pages_ref[k_base + ids].reshape(chunk, D)
-        v = pages_ref[v_base + ids].reshape(chunk, D)
+        k = _load_pages(pages_ref, k_base + ids, D).reshape(chunk, D)
+        v = _load_pages(pages_ref, v_base + ids, D).reshape(chunk, D)
         ks, vs = _page_scales(scales_ref, k_base + ids, v_base + ids, chunk)
         s = _scores(q, k, scale, soft_cap, prec, ks)
         k_pos = c * chunk + jax.lax.broadcasted_iota(jnp.int32, (rows, chunk), 1)
@@ -272,7 +288,9 @@ def paged_prefill_tiles(q, pages, layer, tables, meta, *, kv_heads, blocks, bloc
     """q: [KVH, T, Gp, D] queries by KV head (padded with qt rows at the end);
     tables: [W, MB] the block-table row of each tile's sequence; meta: [W, 4] (first token,
     its position, valid rows, unused). Returns [W, KVH, qt, Gp, D] f32."""
-    KVH, Tp, gp, D = q.shape
+    KVH, Tp, gp, D_in = q.shape
+    D = next_pow2(D_in)
+    q = jnp.pad(q, ((0, 0), (0, 0), (0, 0), (0, D - D_in)))
     W = meta.shape[0]
     pps = pages_per_step(block_size, keys or keys_per_step(D, pages.dtype))
     width = max(next_pow2(tables.shape[1]), pps)
@@ -299,17 +317,20 @@ def paged_prefill_tiles(q, pages, layer, tables, meta, *, kv_heads, blocks, bloc
         interpret=interpret,
         compiler_params=None if interpret else _triton(num_warps),
         name="jaxllm_paged_prefill",
-    )(layer, q, pages, *([page_scales] if quantized else []), tables, meta)
+    )(layer, q, pages, *([page_scales] if quantized else []), tables, meta)[..., :D_in]
 
 
 def ragged_paged_attention(q, kv_cache, layer, md, scale, sliding_window=None, soft_cap=None,
-                           *, interpret=False, k_splits=None, poison=False, tuning=None):
+                           *, interpret=False, k_splits=None, poison=False, tuning=None,
+                           kernels="triton"):
     """Drop-in for the XLA path: q [T, H, D] with the step's K/V already in kv_cache.
 
     md: the step's AttentionMetadata; its tiles must have been cut with q_tile(G) tokens.
+    kernels: "triton" (this module's kernels) or "mosaic" (mosaic_paged_attention.py's, for
+    Hopper; bf16/fp16 caches), the rest of the step being the same.
     poison (tests): tokens that no kernel writes come out NaN instead of zero.
     tuning (benchmarks): {"decode": {keys, num_warps}, "prefill": {keys, num_warps}} in place
-    of the defaults.
+    of the defaults ({"decode": {stages}, "prefill": {stages}} for the Mosaic kernels).
     """
     tuning = tuning or {}
     T, H, D = q.shape
@@ -329,16 +350,32 @@ def ragged_paged_attention(q, kv_cache, layer, md, scale, sliding_window=None, s
     S = md.seq_lens.shape[0]
     if k_splits is None:
         k_splits = 1 if interpret else decode_splits(S, KVH)
+    if kernels == "mosaic":
+        from pallas_kernels import mosaic_paged_attention as mosaic
+        why = mosaic.supports(dtype, D, quantized)
+        if why:
+            raise ValueError(f"attention_backend 'pallas-mosaic': {why}")
+        mosaic_args = dict(interpret=mosaic.interpret_params() if interpret else None)
+        decode_fn = functools.partial(mosaic.paged_decode, **mosaic_args,
+                                      **tuning.get("decode", {}))
+        tiles_fn = functools.partial(mosaic.paged_prefill_tiles, **mosaic_args,
+                                     **tuning.get("prefill", {}))
+    elif kernels == "triton":
+        quant_args = dict(interpret=interpret, page_scales=page_scales)
+        decode_fn = functools.partial(paged_decode, **quant_args, **tuning.get("decode", {}))
+        tiles_fn = functools.partial(paged_prefill_tiles, **quant_args,
+                                     **tuning.get("prefill", {}))
+    else:
+        raise ValueError(f"kernels must be 'triton' or 'mosaic', got {kernels!r}")
 
     # decode: the last token of every sequence
     last = jnp.maximum(md.query_start_loc[1:] - 1, 0)
     q_pos = md.positions[last]
     lo = (jnp.zeros_like(md.seq_lens) if sliding_window is None
           else jnp.maximum(q_pos - sliding_window + 1, 0))
-    dec = paged_decode(qg[last], pages, layer, md.block_tables, md.seq_lens, lo, kv_heads=KVH,
-                       blocks=blocks, block_size=bs, scale=scale, soft_cap=soft_cap,
-                       k_splits=k_splits, interpret=interpret, page_scales=page_scales,
-                       **tuning.get("decode", {}))
+    dec = decode_fn(qg[last], pages, layer, md.block_tables, md.seq_lens, lo, kv_heads=KVH,
+                    blocks=blocks, block_size=bs, scale=scale, soft_cap=soft_cap,
+                    k_splits=k_splits)
     dst = jnp.where(md.seq_lens > 0, last, T)  # padded rows write nowhere
     out = jnp.full((T, KVH, G, D), jnp.nan if poison else 0.0, jnp.float32)
     out = out.at[dst].set(dec, mode="drop")
@@ -357,11 +394,9 @@ def ragged_paged_attention(q, kv_cache, layer, md, scale, sliding_window=None, s
         pos0 = md.positions[jnp.minimum(start, T - 1)]
         meta = jnp.stack([start, pos0, nrows, jnp.zeros_like(start)], axis=1).astype(jnp.int32)
         qk = jnp.pad(qg.transpose(1, 0, 2, 3), ((0, 0), (0, qt), (0, gp - G), (0, 0)))
-        tiles = paged_prefill_tiles(qk, pages, layer, md.block_tables[md.tile_seq], meta,
-                                    kv_heads=KVH, blocks=blocks, block_size=bs, qt=qt,
-                                    scale=scale, window=sliding_window, soft_cap=soft_cap,
-                                    interpret=interpret, page_scales=page_scales,
-                                    **tuning.get("prefill", {}))
+        tiles = tiles_fn(qk, pages, layer, md.block_tables[md.tile_seq], meta, kv_heads=KVH,
+                         blocks=blocks, block_size=bs, qt=qt, scale=scale,
+                         window=sliding_window, soft_cap=soft_cap)
         # each token of a tile goes back to its place in the flat layout
         tok = start[:, None] + jnp.arange(qt)[None, :]                    # [W, qt]
         ok = jnp.arange(qt)[None, :] < nrows[:, None]

@@ -16,6 +16,7 @@ from jaxllm.config import EngineConfig
 from jaxllm.core.kv_cache_manager import KVCacheManager
 from jaxllm.core.scheduler import Scheduler
 from jaxllm.engine import kv_sizing
+from jaxllm.kernels import attention_backend as resolve_attention_backend
 from jaxllm.kernels import matmul_backend as resolve_matmul_backend
 from jaxllm.kernels.cpu import build as cpu_build
 from jaxllm.layers.dtype_policy import DTypePolicy, resolve_policy
@@ -110,9 +111,16 @@ def build_engine(config: EngineConfig, lora_modules=(), model_names=()) -> Engin
     if platform == "cpu" and config.cpu_kernels and cpu_build.available():
         cpu_build.set_amx(config.cpu_amx)
     policy = resolve_policy(config.dtype, platform, matmul_backend)
-    if config.attention_backend == "auto":
-        config.attention_backend = ("pallas" if platform == "gpu" else
-                                    "cpu" if config.cpu_kernels else "xla")
+    requested = config.attention_backend
+    config.attention_backend, why = resolve_attention_backend(
+        requested, platform,
+        kvq.cache_dtype(config.kv_cache_dtype, policy.weight, policy.activation,
+                        config.quantization is not None, "gpu", "pallas"),
+        kvq.storage_dtype(config.kv_cache_dtype) is not None,
+        compute_capability=getattr(jax.devices()[0], "compute_capability", None),
+        cpu_kernels=config.cpu_kernels)
+    logger.info("attention: %s (%s%s)", config.attention_backend, why,
+                "" if requested == config.attention_backend else f"; asked for {requested}")
     mesh = make_mesh(config.tensor_parallel_size)
     load_start = time.perf_counter()
     loaded = load_model(config.model, policy, config.load_format, config.seed,

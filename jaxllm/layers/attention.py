@@ -46,7 +46,7 @@ class AttentionMetadata:
 def q_tile_size(num_tokens: int, backend: str = "cpu", kv_group: int = 1) -> int:
     """Tokens per prefill tile: the Pallas kernel fixes it by the GQA group (128 query rows);
     the XLA path slices tiles out of the step, so they fit in it."""
-    if backend == "pallas":
+    if backend.startswith("pallas"):
         from pallas_kernels.ragged_paged_attention import q_tile
         return q_tile(kv_group)
     return min(num_tokens, Q_TILE)
@@ -256,8 +256,9 @@ def paged_attention_xla(q: jax.Array, kv_cache: jax.Array, layer: jax.Array,
 
 
 # "cpu": the CPU kernels where the step runs on a CPU and they build, XLA's ops elsewhere;
-# "xla": XLA's ops; "pallas": the Pallas kernels (GPU)
-BACKENDS = ("cpu", "xla", "pallas")
+# "xla": XLA's ops; "pallas-mosaic" / "pallas-triton": the Pallas kernels (GPU); "pallas" is
+# resolved to one of them at start-up (jaxllm.kernels.attention_backend), Triton here
+BACKENDS = ("cpu", "xla", "pallas", "pallas-mosaic", "pallas-triton")
 
 
 def paged_attention(q, kv_cache, layer, md, scale, sliding_window=None, soft_cap=None,
@@ -267,10 +268,11 @@ def paged_attention(q, kv_cache, layer, md, scale, sliding_window=None, soft_cap
     if backend in ("cpu", "xla"):
         return paged_attention_xla(q, kv_cache, layer, md, scale, sliding_window, soft_cap,
                                    backend == "cpu" and cpu_kernels_apply(kv_cache, platform))
-    if backend == "pallas":
+    if backend.startswith("pallas") and backend in BACKENDS:
         from pallas_kernels.ragged_paged_attention import ragged_paged_attention
         return ragged_paged_attention(q, kv_cache, layer, md, scale, sliding_window, soft_cap,
-                                      interpret=(platform or jax.default_backend()) != "gpu")
+                                      interpret=(platform or jax.default_backend()) != "gpu",
+                                      kernels="mosaic" if backend == "pallas-mosaic" else "triton")
     raise ValueError(f"unknown attention backend {backend!r}; choose from {BACKENDS}")
 
 

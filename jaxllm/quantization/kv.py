@@ -35,7 +35,7 @@ def validate_kv_dtype(name: str) -> None:
 def stored_as_bits(platform: str, attention_backend: str) -> bool:
     """A float cache is kept as its bit patterns (BF16_BITS, FP8_BITS): XLA's attention on a
     CPU, whose scatters into bf16 and fp8 arrays convert the whole array."""
-    return platform == "cpu" and attention_backend != "pallas"
+    return platform == "cpu" and not attention_backend.startswith("pallas")
 
 
 def cache_dtype(kv_cache_dtype: str, weight_dtype, activation_dtype, weights_quantized: bool,

@@ -310,25 +310,31 @@ def test_serve_poisson_and_prefix_chat(bench_server, tmp_path):
 
 def test_kernels_small_grid(tmp_path, monkeypatch):
     from benchmarks import kernels
-    # the sweep's code path with two of its tile variants each (each compiles in the
+    # the sweep's code path with two of each family's tile variants (each compiles in the
     # interpreter for seconds; the GPU runs them all)
     monkeypatch.setattr(kernels, "DECODE_VARIANTS", kernels.DECODE_VARIANTS[::6])
     monkeypatch.setattr(kernels, "PREFILL_VARIANTS", kernels.PREFILL_VARIANTS[::3])
+    monkeypatch.setattr(kernels, "MOSAIC_DECODE_VARIANTS", kernels.MOSAIC_DECODE_VARIANTS[::5])
+    monkeypatch.setattr(kernels, "MOSAIC_PREFILL_VARIANTS", kernels.MOSAIC_PREFILL_VARIANTS[1:2])
     run_cli("bench", "kernels", "--grid", "small", "--iters", "1", "--heads", "8", "--kv-heads", "2",
-            "--head-dim", "64", "--dtype", "float32", "--results-dir", str(tmp_path), "--tag", "k",
+            "--head-dim", "64", "--dtype", "bfloat16", "--results-dir", str(tmp_path), "--tag", "k",
             "--sweep")
     r = read_json(tmp_path / "k.json")
-    assert r["interpret"] is True and r["peaks"]["copy_gb_s"] > 0
+    assert r["interpret"] is True and r["peaks"]["copy_gb_s"] > 0 and r["mosaic_left_out"] is None
     assert len(r["decode"]) == 2 and len(r["prefill"]) == 2
     for row in r["decode"]:
-        assert row["jaxllm_pallas"]["gb_s"] > 0 and row["xla"]["gb_s"] > 0
+        for name in ("jaxllm_triton", "jaxllm_mosaic", "xla"):
+            assert row[name]["gb_s"] > 0
         assert "gb_s" in row["jax_paged_attention"] or "error" in row["jax_paged_attention"]
     for row in r["prefill"]:
-        assert row["jaxllm_pallas"]["tflop_s"] > 0 and 0 < row["jaxllm_pallas"]["frac_of_matmul"]
+        for name in ("jaxllm_triton", "jaxllm_mosaic"):
+            assert row[name]["tflop_s"] > 0 and 0 < row[name]["frac_of_matmul"]
     sweep = r["sweep"]
-    assert [(v["keys"], v["num_warps"], v["k_splits"]) for v in sweep["decode"]] == kernels.DECODE_VARIANTS
-    assert [(v["keys"], v["num_warps"]) for v in sweep["prefill"]] == kernels.PREFILL_VARIANTS
-    assert len(kernels.DECODE_VARIANTS) == 2 and len(kernels.PREFILL_VARIANTS) == 2
+    assert [(v["kernels"], v.get("keys"), v.get("num_warps"), v.get("stages"), v["k_splits"])
+            for v in sweep["decode"]] == (
+        [("triton", k, w, None, s) for k, w, s in kernels.DECODE_VARIANTS]
+        + [("mosaic", None, None, st, s) for st, s in kernels.MOSAIC_DECODE_VARIANTS])
+    assert [v["kernels"] for v in sweep["prefill"]] == ["triton", "triton", "mosaic"]
     assert all(v["gb_s"] > 0 for v in sweep["decode"]) and all(v["tflop_s"] > 0 for v in sweep["prefill"])
 
 

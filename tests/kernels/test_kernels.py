@@ -108,7 +108,8 @@ def test_engine_greedy_identical_with_either_backend(tiny_llama, tiny_llm):
     prompts += [rng.integers(10, 40000, size=n).tolist() for n in (1, 17, 150)]
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     pallas = LLM(tiny_llama, dtype="float32", attention_backend="pallas", **SMALL_ENGINE)
-    assert pallas.llm_engine.config.attention_backend == "pallas"
+    # f32: "pallas" takes the Triton kernels (the Mosaic ones are bf16/fp16)
+    assert pallas.llm_engine.config.attention_backend == "pallas-triton"
     got = [o.outputs[0].token_ids for o in pallas.generate(prompts, params, use_tqdm=False)]
     want = [o.outputs[0].token_ids for o in tiny_llm.generate(prompts, params, use_tqdm=False)]
     assert got == want
@@ -118,6 +119,8 @@ def test_engine_greedy_identical_with_either_backend(tiny_llama, tiny_llm):
     (jnp.bfloat16, 128, 32, 8, None, None),   # Llama-3-8B's attention shape
     (jnp.bfloat16, 64, 9, 3, None, None),     # the default model's (GQA 3)
     (jnp.float32, 64, 8, 8, 16, 30.0),        # f32, no GQA, sliding window, soft cap
+    (jnp.bfloat16, 80, 32, 32, None, None),   # Phi-2's head size: padded to 128 in the kernel
+    (jnp.float32, 96, 28, 4, None, None),     # GQA 7, head size 96
 ])
 def test_kernels_lower_for_cuda_through_triton(dtype, head_dim, heads, kv_heads, window, soft_cap):
     """Without a GPU, lower both kernels for CUDA: they must go through Pallas' Triton path

@@ -1,0 +1,189 @@
+"""The Mosaic GPU paged-attention kernels against the dense reference: in Mosaic GPU's
+interpret mode on the CPU (shared memory, TMA copies and barriers simulated, races checked),
+compiled for real on a GPU when JAXLLM_GPU_TESTS=1 (benchmarks/gpu_suite.sh); and lowered for
+CUDA without one, where Mosaic's own lowering checks layouts, matmul shapes and shared memory."""
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from attention_cases import make_case
+from conftest import covering
+from pallas_kernels import mosaic_paged_attention as mosaic
+from pallas_kernels.paged_attention_ref import ragged_paged_attention_ref
+from pallas_kernels.ragged_paged_attention import flat_pages, q_tile, ragged_paged_attention
+
+ON_GPU = os.environ.get("JAXLLM_GPU_TESTS") == "1"
+if ON_GPU and jax.default_backend() != "gpu":
+    pytest.skip("JAXLLM_GPU_TESTS=1 needs a GPU", allow_module_level=True)
+INTERPRET = not ON_GPU
+TOL = dict(rtol=2e-2, atol=2e-2)  # bf16 / fp16 inputs, f32 accumulation
+
+CASES = {
+    "single_token": [(0, 1)],
+    "block_boundary": [(15, 1), (31, 1), (16, 16), (48, 17)],
+    "long_context": [(1500, 1), (700, 90)],
+    "prefill_and_decodes": [(0, 20), (7, 1), (100, 1), (33, 45), (0, 1), (250, 1), (0, 70)],
+}
+
+
+def check(seqs, heads, kv_heads, head_dim=64, dtype=jnp.bfloat16, T=None, S=None, window=None,
+          soft_cap=None, block_size=16, seed=0, max_model_len=2048):
+    G = heads // kv_heads
+    q, cache, layer, md = make_case(seqs, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                                    block_size=block_size, T=T, S=S, max_model_len=max_model_len,
+                                    dtype=dtype, seed=seed, qt=q_tile(G))
+    md = jax.tree.map(jnp.asarray, md)
+    scale = head_dim ** -0.5
+    fn = jax.jit(lambda q, c, md: ragged_paged_attention(
+        q, c, jnp.int32(layer), md, scale, window, soft_cap, interpret=INTERPRET, poison=True,
+        kernels="mosaic"))
+    got = np.asarray(fn(q, cache, md), np.float32)
+    if INTERPRET:
+        assert not mosaic.races_found()
+    want = np.asarray(ragged_paged_attention_ref(q, cache, layer, md.positions, md.token_seq_ids,
+                                                 md.block_tables, block_size, scale, window,
+                                                 soft_cap), np.float32)
+    real = int(md.query_start_loc[-1])
+    assert np.isfinite(got[:real]).all(), "a token no kernel wrote"
+    np.testing.assert_allclose(got[:real], want[:real], **TOL)
+
+
+# (query, KV) heads: GQA 1, 3, 4, 8 and 16
+@pytest.mark.parametrize("name,heads,head_dim", covering(
+    sorted(CASES), [(4, 4), (6, 2), (8, 2), (16, 2), (16, 1)], [64, 80, 96, 128, 256]))
+def test_mosaic_kernels_match_reference(name, heads, head_dim):
+    check(CASES[name], *heads, head_dim=head_dim, seed=len(name) + heads[0] + head_dim)
+
+
+def test_fp16_and_padded_rows_and_tokens():
+    check([(10, 3), (0, 1), (40, 1)], 8, 2, dtype=jnp.float16, T=64, S=8)
+
+
+@pytest.mark.parametrize("window", [1, 16, 100])
+def test_sliding_window_and_soft_cap(window):
+    check(CASES["prefill_and_decodes"] + [(400, 50)], 8, 2, window=window, soft_cap=3.0,
+          seed=window)
+
+
+@pytest.mark.parametrize("block_size", [8, 128])
+def test_pages_smaller_and_larger_than_a_stage(block_size):
+    """8-token pages: eight TMA copies per stage on one barrier; 128-token pages: a stage of
+    one page; the last page of every sequence partly filled."""
+    check([(5, 1), (130, 1), (70, 60), (0, 9)], 8, 2, block_size=block_size, max_model_len=512)
+
+
+def test_random_batches():
+    rng = np.random.default_rng(7)
+    for trial in range(3):
+        seqs = [(int(rng.integers(0, 300)), int(rng.choice([1, 1, 1, int(rng.integers(2, 90))])))
+                for _ in range(int(rng.integers(1, 9)))]
+        heads, kv = [(4, 4), (6, 2), (16, 2)][trial]
+        check(seqs, heads, kv, head_dim=[64, 80, 128][trial], seed=trial)
+
+
+@pytest.mark.parametrize("k_splits", [1, 4])
+def test_decode_split_k(k_splits):
+    """The decode kernel on its own (a race report of its own): long contexts split across
+    programs and recombined."""
+    seqs = [(1900, 1), (33, 1), (700, 1), (0, 1)]
+    q, cache, layer, md = make_case(seqs, heads=8, kv_heads=2, max_model_len=2048, seed=k_splits,
+                                    dtype=jnp.bfloat16)
+    md = jax.tree.map(jnp.asarray, md)
+    last = md.query_start_loc[1:] - 1
+    bs = md.block_size
+    got = mosaic.paged_decode(
+        q.reshape(-1, 2, 4, 64)[last], flat_pages(cache, bs), jnp.array([layer], jnp.int32),
+        md.block_tables, md.seq_lens, jnp.zeros_like(md.seq_lens), kv_heads=2,
+        blocks=cache.shape[3] // bs, block_size=bs, scale=0.125, k_splits=k_splits,
+        interpret=mosaic.interpret_params() if INTERPRET else None)
+    if INTERPRET:
+        assert not mosaic.races_found()
+    want = ragged_paged_attention_ref(q, cache, layer, md.positions, md.token_seq_ids,
+                                      md.block_tables, bs, 0.125)
+    np.testing.assert_allclose(np.asarray(got).reshape(4, 8, 64),
+                               np.asarray(want, np.float32)[np.asarray(last)], **TOL)
+
+
+@pytest.mark.parametrize("head_dim,heads,kv_heads,block_size,window,soft_cap", [
+    (64, 8, 2, 16, None, None),
+    (80, 32, 32, 16, 16, 30.0),   # Phi-2's head size, no GQA
+    (96, 28, 4, 16, None, None),  # GQA 7
+    (128, 32, 8, 16, None, None),  # Llama-3-8B
+    (128, 32, 8, 128, None, None),
+    (256, 16, 1, 8, 100, 50.0),   # Gemma's head size, GQA 16: a shallower K/V ring
+])
+def test_kernels_lower_for_cuda_through_mosaic(head_dim, heads, kv_heads, block_size, window,
+                                               soft_cap):
+    """Without a GPU, lower both kernels for CUDA through Mosaic GPU: its lowering places
+    every array in a register layout, checks each warpgroup matmul's shapes and swizzles
+    and the shared memory a block asks for (227 KiB on Hopper)."""
+    from jax import export
+    seqs = [(100, 1), (33, 45), (0, 1), (250, 1)]
+    q, cache, layer, md = make_case(seqs, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                                    block_size=block_size, dtype=jnp.bfloat16, max_model_len=512,
+                                    qt=q_tile(heads // kv_heads))
+    md = jax.tree.map(jnp.asarray, md)
+    fn = jax.jit(lambda q, c, md: ragged_paged_attention(
+        q, c, layer, md, head_dim ** -0.5, window, soft_cap, interpret=False, kernels="mosaic"))
+    text = export.export(fn, platforms=["cuda"])(q, cache, md).mlir_module()
+    assert text.count("stablehlo.custom_call @mosaic_gpu") == 2
+    assert "triton" not in text
+
+
+def test_unsupported_caches_are_refused():
+    q, cache, layer, md = make_case([(3, 1)], dtype=jnp.float32)
+    with pytest.raises(ValueError, match="pallas-mosaic.*bf16 or fp16"):
+        ragged_paged_attention(q, cache, layer, jax.tree.map(jnp.asarray, md), 0.125,
+                               interpret=True, kernels="mosaic")
+    assert "quantized" in mosaic.supports(jnp.int8, 128, quantized=True)
+    assert "multiple of 16" in mosaic.supports(jnp.bfloat16, 72)
+    assert mosaic.supports(jnp.bfloat16, 80) is None
+
+
+def test_backend_choice():
+    """"pallas" (and "auto" on a GPU) takes the Mosaic kernels where they apply, the Triton
+    ones elsewhere, saying why; "pallas-mosaic" where it cannot run is an error."""
+    from jaxllm.kernels import attention_backend as choose
+    bf16 = jnp.bfloat16
+    assert choose("auto", "gpu", bf16, False, 128, "9.0")[0] == "pallas-mosaic"
+    assert choose("pallas", "gpu", bf16, False, 128, "10.0")[0] == "pallas-mosaic"
+    backend, why = choose("pallas", "gpu", bf16, False, 128, "8.0")
+    assert backend == "pallas-triton" and "Hopper" in why
+    backend, why = choose("auto", "gpu", bf16, True, 128, "9.0")
+    assert backend == "pallas-triton" and "quantized" in why
+    assert choose("pallas", "gpu", jnp.float32, False, 128, "9.0")[0] == "pallas-triton"
+    assert choose("pallas", "cpu", bf16, False, 64)[0] == "pallas-mosaic"  # interpret mode
+    assert choose("pallas-triton", "gpu", bf16, False, 128, "9.0")[0] == "pallas-triton"
+    assert choose("auto", "cpu", bf16, False, 64)[0] == "cpu"
+    assert choose("auto", "cpu", bf16, False, 64, cpu_kernels=False)[0] == "xla"
+    with pytest.raises(ValueError, match="attention_backend 'pallas-mosaic'.*Hopper"):
+        choose("pallas-mosaic", "gpu", bf16, False, 128, "8.9")
+    with pytest.raises(ValueError, match="attention_backend 'pallas-mosaic'.*float32"):
+        choose("pallas-mosaic", "cpu", jnp.float32, False, 64)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the CPU engine comparison runs in interpret mode")
+def test_engine_runs_the_mosaic_kernels_in_interpret_mode(peaked_model):
+    """bf16 through the whole engine (chunked prefill, decode, prefix hits): "pallas" picks
+    the Mosaic kernels, whose greedy tokens equal XLA's attention's. The peaked model keeps
+    its top tokens apart (a random tiny model's near-ties flip between any two kernels)."""
+    from conftest import SMALL_ENGINE
+    from jaxllm import LLM, SamplingParams
+
+    # each attention call takes the interpreter seconds: few prompts, few tokens
+    rng = np.random.default_rng(3)
+    shared = rng.integers(10, 40000, size=40).tolist()
+    prompts = [shared + rng.integers(10, 40000, size=n).tolist() for n in (3, 30)]
+    prompts += [rng.integers(10, 40000, size=70).tolist()]  # two chunks of 64 tokens
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    outs = {}
+    for backend in ("pallas", "xla"):
+        llm = LLM(peaked_model, dtype="bfloat16", attention_backend=backend, **SMALL_ENGINE)
+        outs[llm.llm_engine.config.attention_backend] = [
+            o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        del llm
+    assert sorted(outs) == ["pallas-mosaic", "xla"]
+    assert outs["pallas-mosaic"] == outs["xla"]
