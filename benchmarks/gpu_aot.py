@@ -63,27 +63,46 @@ def _fresh_dump() -> None:
     os.makedirs(DUMP)
 
 
+def _report(kernel: str, ptx: str, ptxas_info: str | None) -> dict:
+    """A kernel's matrix instructions from its PTX; registers and spills from ptxas' -v."""
+    rep = dict(kernel=kernel, matrix="wgmma" if "wgmma.mma_async" in ptx else
+               "mma.sync" if "mma.sync" in ptx else "fma")
+    if ptxas_info is not None:
+        m = re.search(r"Used (\d+) registers", ptxas_info)
+        rep["registers"] = int(m.group(1)) if m else None
+        m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", ptxas_info)
+        rep["spill_store_bytes"], rep["spill_load_bytes"] = (
+            (int(m.group(1)), int(m.group(2))) if m else (None, None))
+    return rep
+
+
 def _kernel_reports(arch: str) -> list[dict]:
-    """ptxas -v over every Pallas kernel in the dump."""
+    """ptxas -v over every Pallas (Triton) kernel in XLA's dump."""
     ptxas = _ptxas()
     out = []
     for path in sorted(glob.glob(os.path.join(DUMP, "*.ptx"))):
+        if os.path.basename(path).startswith("jaxllm_mosaic_"):
+            continue  # Mosaic's own dump: _mosaic_reports
         text = open(path).read()
         names = re.findall(r"\.visible \.entry (jaxllm_\w+)\(", text)
-        if not names:
-            continue
-        rep = dict(kernel=names[0],
-                   matrix="wgmma" if "wgmma.mma_async" in text else
-                   "mma.sync" if "mma.sync" in text else "fma")
-        if ptxas:
+        if names:
             info = subprocess.run([ptxas, f"-arch={arch}", "-v", path, "-o", os.devnull],
-                                  capture_output=True, text=True).stderr
-            m = re.search(r"Used (\d+) registers", info)
-            rep["registers"] = int(m.group(1)) if m else None
-            m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", info)
-            rep["spill_store_bytes"], rep["spill_load_bytes"] = (
-                (int(m.group(1)), int(m.group(2))) if m else (None, None))
-        out.append(rep)
+                                  capture_output=True, text=True).stderr if ptxas else None
+            out.append(_report(names[0], text, info))
+    return out
+
+
+def _mosaic_reports() -> list[dict]:
+    """The Mosaic GPU kernels in the dump: Mosaic's own pipeline writes their PTX and ptxas'
+    report there (MOSAIC_GPU_DUMP_*, set in run()); each kernel is there once, when first
+    compiled."""
+    out = []
+    for path in sorted(glob.glob(os.path.join(DUMP, "jaxllm_mosaic_*.ptxas"))):
+        ptx = path[:-len("ptxas")] + "ptx"
+        text = open(ptx).read() if os.path.exists(ptx) else ""
+        rep = _report(re.sub(r"_\d+$", "", os.path.basename(path)[:-len(".ptxas")]), text,
+                      open(path).read())
+        out.append({**rep, "tma": "cp.async.bulk.tensor" in text})
     return out
 
 
@@ -165,9 +184,7 @@ def compile_kernels(rep, arch: str) -> list[dict]:
                 fn.lower(sds((T, H, D), dt), sds((layers, 2, KVH, blocks * bs, D), dt),
                          md).compile()
                 row["compile_s"] = round(time.perf_counter() - t0, 2)
-                # the Mosaic kernels are built by their own pipeline: no PTX in XLA's dump
-                if kernels == "triton":
-                    row["kernels"] = _kernel_reports(arch)
+                row["kernels"] = _kernel_reports(arch) if kernels == "triton" else _mosaic_reports()
             except Exception as e:  # a kernel that does not build is the finding
                 row["error"] = str(e).splitlines()[0][:400]
             rows.append(row)
@@ -258,8 +275,12 @@ def compile_steps(mesh, device_memory: int, args) -> dict:
         _fresh_dump()
         exe, secs = compile_one(T, S, num_blocks)
         ma = exe.memory_analysis()
-        kernels = _kernel_reports(args.arch)
+        kernels = _kernel_reports(args.arch) + _mosaic_reports()
+        # the Mosaic kernels compiled for this step: one per call site (layers unrolled) or
+        # one per distinct kernel
+        mosaic_compiles = len(glob.glob(os.path.join(DUMP, "jaxllm_mosaic_*.ptxas")))
         rows.append(dict(tokens=T, seqs=S, compile_s=round(secs, 1), **_hlo_report(),
+                         mosaic_kernel_compiles=mosaic_compiles,
                          dequantized_weight_copies=_dequantized_copies(),
                          temp_gib=round(ma.temp_size_in_bytes / 2**30, 3),
                          argument_gib=round(ma.argument_size_in_bytes / 2**30, 3),
@@ -307,6 +328,8 @@ def run(args) -> None:
     # the CUDA plugin's version checks look for a driver; the dump holds the PTX
     os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={DUMP}".strip()
+    # the Mosaic GPU kernels' PTX and ptxas report, from their own compiler
+    os.environ.update(MOSAIC_GPU_DUMP_TO=DUMP, MOSAIC_GPU_DUMP_PTX="1", MOSAIC_GPU_DUMP_PTXAS="1")
     from jax.experimental import topologies
     from jaxllm.parallel import make_mesh, sharding
 

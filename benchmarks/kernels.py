@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import write_result
-from benchmarks.peaks import (bench, bench_rotated, measure_copy_bandwidth, measure_matmul_flops,
+from benchmarks.peaks import (bench_rotated, measure_copy_bandwidth, measure_matmul_flops,
                               rotations)
 
 GRIDS = {

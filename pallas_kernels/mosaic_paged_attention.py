@@ -8,7 +8,8 @@ Hopper's TMA and warpgroup matmuls instead of Triton's vector gathers.
   form a ring that is refilled as soon as a chunk has been consumed, so the next chunks'
   copies overlap this chunk's matmuls. The ring is as deep as shared memory allows.
 * QK^T and PV are warpgroup matmuls (wgmma) with the accumulators in registers and the online
-  softmax done in the WGMMA register layout; P goes to the PV matmul from registers.
+  softmax done in the WGMMA register layout; P goes to the PV matmul from registers, which
+  accumulates in place into the output's registers.
 * decode: one program per (sequence, KV head, split); the KV head's query heads are padded to
   the 64 rows of a warpgroup matmul (decode is bound by reading K and V, not by the matmul).
   Split-K partials are combined by their log-sum-exp outside, as for the Triton kernel.
@@ -22,11 +23,11 @@ yet; `supports()` says so and the engine falls back to the Triton kernels for th
 
 On a CPU the kernels run in Mosaic GPU's interpret mode (`interpret_params`), which simulates
 shared memory, the TMA engine and barriers. It has no wgmma for a transposed or register
-operand, so there the two matmuls are plain dots over the same shared-memory buffers.
+operand (nor `run_state`), so there the two matmuls are plain dots over the same shared-memory
+buffers.
 """
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -118,6 +119,16 @@ class _Ops:
         return lax.dot_general(a, b_ref[...], (((1,), (1 if transpose_b else 0,)), ((), ())),
                                preferred_element_type=jnp.float32)
 
+    def mma_acc(self, acc, a, b_ref):
+        """acc + a @ b: on the GPU accumulated in place in acc's registers (a second
+        accumulator for the product would double the registers a row takes)."""
+        if self.real:
+            def run(acc_ref):
+                plgpu.wgmma(acc_ref, a, b_ref)
+            return pl.run_state(run)(plgpu.ACC.init(acc))
+        return acc + lax.dot_general(a, b_ref[...], (((1,), (0,)), ((), ())),
+                                     preferred_element_type=jnp.float32)
+
     def init(self, rows, D):
         acc = self.cast(jnp.zeros((rows, D), jnp.float32), plgpu.Layout.WGMMA)
         m = self.cast(jnp.full((rows,), _NEG, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
@@ -140,7 +151,7 @@ def _attend(ops, q_smem, k_slot, v_slot, carry, ok, scale, soft_cap, dtype, rows
     l = l * corr + p.sum(axis=1)
     acc = acc * lax.broadcast_in_dim(corr, acc.shape, [0])
     v_wait()
-    acc = acc + ops.mma(p.astype(dtype), v_slot, False, (rows, D))
+    acc = ops.mma_acc(acc, p.astype(dtype), v_slot)
     return acc, m_new, l
 
 
@@ -269,8 +280,24 @@ def paged_prefill_tiles(q, pages, layer, tables, meta, *, kv_heads, blocks, bloc
                         scale, window=None, soft_cap=None, stages=None, interpret=None):
     """q: [KVH, T, Gp, D] queries by KV head (padded with qt rows at the end);
     tables: [W, MB] the block-table row of each tile's sequence; meta: [W, 4] (first token,
-    its position, valid rows, unused). Returns [W, KVH, qt, Gp, D] in q's dtype."""
+    its position, valid rows, unused). Returns [W, KVH, qt, Gp, D] in q's dtype.
+
+    Past a head size of 128 a 128-row tile's accumulator and scores no longer fit in one
+    warpgroup's registers: each tile is run as two programs of half its tokens."""
     KVH, Tp, gp, D = q.shape
+    if D > 128 and qt * gp > 64 and qt % 2 == 0:
+        W = meta.shape[0]
+        half = qt // 2
+        start, pos0, nrows = meta[:, 0], meta[:, 1], meta[:, 2]
+        meta = jnp.stack([jnp.stack([start + h * half, pos0 + h * half,
+                                     jnp.clip(nrows - h * half, 0, half), meta[:, 3]], axis=1)
+                          for h in (0, 1)], axis=1).reshape(2 * W, 4)
+        out = paged_prefill_tiles(q, pages, layer, jnp.repeat(tables, 2, axis=0), meta,
+                                  kv_heads=kv_heads, blocks=blocks, block_size=block_size,
+                                  qt=half, scale=scale, window=window, soft_cap=soft_cap,
+                                  stages=stages, interpret=interpret)
+        return out.reshape(W, 2, KVH, half, gp, D).transpose(0, 2, 1, 3, 4, 5).reshape(
+            W, KVH, qt, gp, D)
     W = meta.shape[0]
     dtype = q.dtype
     rows = qt * gp
@@ -283,6 +310,7 @@ def paged_prefill_tiles(q, pages, layer, tables, meta, *, kv_heads, blocks, bloc
     width = -(-MB // ppc) * ppc
     tables = jnp.pad(tables, ((0, 0), (0, width - MB)))
     qf = q.reshape(KVH, Tp * gp, D)
+    qf = jnp.pad(qf, ((0, 0), (0, -(Tp * gp) % 8), (0, 0)))  # TMA tiles rows by 8
     stages = stages or stages_for(rows * D * jnp.dtype(dtype).itemsize + 4096, chunk, D, dtype)
     ops = _Ops(interpret)
 

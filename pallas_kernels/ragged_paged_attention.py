@@ -19,21 +19,15 @@ Pallas' Triton path on NVIDIA GPUs. The cache is read as one flat page array
 
 `jaxllm bench aot` compiles both kernels for an H100 without one and reports ptxas' register
 and spill counts: the decode kernel lowers to mma.sync tiles with cp.async loads, the prefill
-tiles to Hopper's wgmma; the per-dtype key chunk and warp counts below keep them spill-free
-and inside the SM's shared memory.
+tiles to Hopper's wgmma; the per-dtype key chunk and warp counts below keep them inside the
+SM's shared memory and spill-free at power-of-two head sizes (the decode kernel padded from 80
+or 96 spills a few dozen bytes).
 
-What a Mosaic GPU (Hopper) variant would need, since JAX deprecates this Triton path:
-* pages brought in by TMA (`plgpu.copy_gmem_to_smem` + barriers) one page per copy, driven by
-  the block table read from SMEM, in place of the vector gather `pages_ref[base + ids]`
-  (TMA wants rectangular boxes: a page of `block_size x head_dim`, 128-byte rows);
-* warpgroup matmuls (`plgpu.wgmma`) on swizzled SMEM tiles with an M of 64 per warpgroup: a
-  decode program would pack several sequences' GQA groups (or pad the group) to 64 rows;
-* warp specialisation, one producer warpgroup issuing TMA and consumer warpgroups doing
-  QK^T / softmax / PV in a ping-pong (FlashAttention-3's schedule), with the online softmax
-  done in the WGMMA accumulator layout;
-* explicit pipelining over the page loop (`plgpu.emit_pipeline` or a hand-rolled ring of
-  SMEM buffers) because the trip count is ragged per sequence.
-The metadata, the reference, the tests and the engine wiring would stay as they are.
+These are the fallback on GPUs without Mosaic GPU support (before Hopper) and for caches the
+Mosaic kernels (mosaic_paged_attention.py) do not take (f32, int8/fp8); `ragged_paged_attention`
+below runs either family. Triton's blocks must be powers of two: a head size that is not one
+(80, 96) is padded to one inside the kernels (q and the output outside, the pages by a masked
+gather as they are loaded).
 """
 from __future__ import annotations
 

@@ -28,3 +28,38 @@ def make_case(seqs, *, heads=8, kv_heads=2, head_dim=64, block_size=16, layers=2
     cache = rng.standard_normal((layers, 2, kv_heads, num_blocks * block_size, head_dim))
     q = rng.standard_normal((T, heads, head_dim))
     return jnp.asarray(q, dtype), jnp.asarray(cache, dtype), layer, md
+
+
+# ragged batches for the Pallas kernels' tests: [(tokens already cached, tokens this step)]
+KERNEL_CASES = {
+    "single_token": [(0, 1)],
+    "block_boundary": [(15, 1), (31, 1), (16, 16), (48, 17)],
+    "long_context": [(1500, 1), (700, 90)],
+    "prefill_and_decodes": [(0, 20), (7, 1), (100, 1), (33, 45), (0, 1), (250, 1), (0, 70)],
+}
+
+
+def check_kernels(seqs, heads, kv_heads, *, kernels, interpret, tol, head_dim=64,
+                  dtype=jnp.float32, T=None, S=None, window=None, soft_cap=None, block_size=16,
+                  seed=0, max_model_len=2048):
+    """One ragged batch through ragged_paged_attention's `kernels` family against the dense
+    reference; tokens no kernel writes come out NaN and fail."""
+    import jax
+
+    from pallas_kernels.paged_attention_ref import ragged_paged_attention_ref
+    from pallas_kernels.ragged_paged_attention import q_tile, ragged_paged_attention
+    q, cache, layer, md = make_case(seqs, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                                    block_size=block_size, T=T, S=S, max_model_len=max_model_len,
+                                    dtype=dtype, seed=seed, qt=q_tile(heads // kv_heads))
+    md = jax.tree.map(jnp.asarray, md)
+    scale = head_dim ** -0.5
+    fn = jax.jit(lambda q, c, md: ragged_paged_attention(
+        q, c, jnp.int32(layer), md, scale, window, soft_cap, interpret=interpret, poison=True,
+        kernels=kernels))
+    got = np.asarray(fn(q, cache, md), np.float32)
+    want = np.asarray(ragged_paged_attention_ref(q, cache, layer, md.positions, md.token_seq_ids,
+                                                 md.block_tables, block_size, scale, window,
+                                                 soft_cap), np.float32)
+    real = int(md.query_start_loc[-1])
+    assert np.isfinite(got[:real]).all(), "a token no kernel wrote"
+    np.testing.assert_allclose(got[:real], want[:real], **tol)

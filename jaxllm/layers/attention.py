@@ -11,6 +11,7 @@ every context row into a new array first); elsewhere they are the XLA code here.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import jax
@@ -261,6 +262,18 @@ def paged_attention_xla(q: jax.Array, kv_cache: jax.Array, layer: jax.Array,
 BACKENDS = ("cpu", "xla", "pallas", "pallas-mosaic", "pallas-triton")
 
 
+@functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "soft_cap", "interpret",
+                                             "kernels"))
+def _pallas_attention(q, kv_cache, layer, md, *, scale, sliding_window, soft_cap, interpret,
+                      kernels):
+    """The Pallas kernels behind one jit: a model whose layers are unrolled calls it once per
+    layer with the same shapes, and JAX lowers it once per step rather than once per layer
+    (lowering a Mosaic GPU kernel takes a good fraction of a second)."""
+    from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+    return ragged_paged_attention(q, kv_cache, layer, md, scale, sliding_window, soft_cap,
+                                  interpret=interpret, kernels=kernels)
+
+
 def paged_attention(q, kv_cache, layer, md, scale, sliding_window=None, soft_cap=None,
                     backend="cpu", platform=None):
     """platform: where the step runs (jaxllm.parallel.platform_of); off a GPU the Pallas
@@ -269,10 +282,10 @@ def paged_attention(q, kv_cache, layer, md, scale, sliding_window=None, soft_cap
         return paged_attention_xla(q, kv_cache, layer, md, scale, sliding_window, soft_cap,
                                    backend == "cpu" and cpu_kernels_apply(kv_cache, platform))
     if backend.startswith("pallas") and backend in BACKENDS:
-        from pallas_kernels.ragged_paged_attention import ragged_paged_attention
-        return ragged_paged_attention(q, kv_cache, layer, md, scale, sliding_window, soft_cap,
-                                      interpret=(platform or jax.default_backend()) != "gpu",
-                                      kernels="mosaic" if backend == "pallas-mosaic" else "triton")
+        return _pallas_attention(q, kv_cache, layer, md, scale=scale,
+                                 sliding_window=sliding_window, soft_cap=soft_cap,
+                                 interpret=(platform or jax.default_backend()) != "gpu",
+                                 kernels="mosaic" if backend == "pallas-mosaic" else "triton")
     raise ValueError(f"unknown attention backend {backend!r}; choose from {BACKENDS}")
 
 

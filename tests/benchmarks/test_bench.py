@@ -312,9 +312,9 @@ def test_kernels_small_grid(tmp_path, monkeypatch):
     from benchmarks import kernels
     # the sweep's code path with two of each family's tile variants (each compiles in the
     # interpreter for seconds; the GPU runs them all)
-    monkeypatch.setattr(kernels, "DECODE_VARIANTS", kernels.DECODE_VARIANTS[::6])
-    monkeypatch.setattr(kernels, "PREFILL_VARIANTS", kernels.PREFILL_VARIANTS[::3])
-    monkeypatch.setattr(kernels, "MOSAIC_DECODE_VARIANTS", kernels.MOSAIC_DECODE_VARIANTS[::5])
+    monkeypatch.setattr(kernels, "DECODE_VARIANTS", kernels.DECODE_VARIANTS[:1])
+    monkeypatch.setattr(kernels, "PREFILL_VARIANTS", kernels.PREFILL_VARIANTS[:1])
+    monkeypatch.setattr(kernels, "MOSAIC_DECODE_VARIANTS", kernels.MOSAIC_DECODE_VARIANTS[-1:])
     monkeypatch.setattr(kernels, "MOSAIC_PREFILL_VARIANTS", kernels.MOSAIC_PREFILL_VARIANTS[1:2])
     run_cli("bench", "kernels", "--grid", "small", "--iters", "1", "--heads", "8", "--kv-heads", "2",
             "--head-dim", "64", "--dtype", "bfloat16", "--results-dir", str(tmp_path), "--tag", "k",
@@ -334,7 +334,7 @@ def test_kernels_small_grid(tmp_path, monkeypatch):
             for v in sweep["decode"]] == (
         [("triton", k, w, None, s) for k, w, s in kernels.DECODE_VARIANTS]
         + [("mosaic", None, None, st, s) for st, s in kernels.MOSAIC_DECODE_VARIANTS])
-    assert [v["kernels"] for v in sweep["prefill"]] == ["triton", "triton", "mosaic"]
+    assert [v["kernels"] for v in sweep["prefill"]] == ["triton", "mosaic"]
     assert all(v["gb_s"] > 0 for v in sweep["decode"]) and all(v["tflop_s"] > 0 for v in sweep["prefill"])
 
 

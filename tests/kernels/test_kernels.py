@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from attention_cases import make_case
+from attention_cases import KERNEL_CASES, check_kernels, make_case
 from conftest import covering
 from pallas_kernels.paged_attention_ref import ragged_paged_attention_ref
 from pallas_kernels.ragged_paged_attention import paged_decode, flat_pages, q_tile, ragged_paged_attention
@@ -18,31 +18,12 @@ if ON_GPU and jax.default_backend() != "gpu":
 INTERPRET = not ON_GPU
 TOL = {jnp.float32: dict(rtol=1e-5, atol=1e-5), jnp.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 
-CASES = {
-    "single_token": [(0, 1)],
-    "block_boundary": [(15, 1), (31, 1), (16, 16), (48, 17)],
-    "long_context": [(1500, 1), (700, 90)],
-    "prefill_and_decodes": [(0, 20), (7, 1), (100, 1), (33, 45), (0, 1), (250, 1), (0, 70)],
-}
+CASES = KERNEL_CASES
 
 
-def check(seqs, heads, kv_heads, head_dim=64, dtype=jnp.float32, T=None, S=None, window=None,
-          soft_cap=None, block_size=16, seed=0, max_model_len=2048):
-    G = heads // kv_heads
-    q, cache, layer, md = make_case(seqs, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-                                    block_size=block_size, T=T, S=S, max_model_len=max_model_len,
-                                    dtype=dtype, seed=seed, qt=q_tile(G))
-    md = jax.tree.map(jnp.asarray, md)
-    scale = head_dim ** -0.5
-    fn = jax.jit(lambda q, c, md: ragged_paged_attention(
-        q, c, jnp.int32(layer), md, scale, window, soft_cap, interpret=INTERPRET, poison=True))
-    got = np.asarray(fn(q, cache, md), np.float32)
-    want = np.asarray(ragged_paged_attention_ref(q, cache, layer, md.positions, md.token_seq_ids,
-                                                 md.block_tables, block_size, scale, window,
-                                                 soft_cap), np.float32)
-    real = int(md.query_start_loc[-1])
-    assert np.isfinite(got[:real]).all(), "a token no kernel wrote"
-    np.testing.assert_allclose(got[:real], want[:real], **TOL[dtype])
+def check(seqs, heads, kv_heads, dtype=jnp.float32, **kw):
+    check_kernels(seqs, heads, kv_heads, kernels="triton", interpret=INTERPRET, tol=TOL[dtype],
+                  dtype=dtype, **kw)
 
 
 @pytest.mark.parametrize("name,heads", covering(sorted(CASES), [(4, 4), (6, 2), (8, 2), (16, 2)]))
