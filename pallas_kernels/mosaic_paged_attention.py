@@ -309,8 +309,10 @@ def paged_prefill_tiles(q, pages, layer, tables, meta, *, kv_heads, blocks, bloc
     MB = tables.shape[1]
     width = -(-MB // ppc) * ppc
     tables = jnp.pad(tables, ((0, 0), (0, width - MB)))
-    qf = q.reshape(KVH, Tp * gp, D)
-    qf = jnp.pad(qf, ((0, 0), (0, -(Tp * gp) % 8), (0, 0)))  # TMA tiles rows by 8
+    # each tile's query rows gathered here: a TMA copy into the tiled (8-row) shared memory
+    # must start on a multiple of 8 rows, and a tile's first row (start * gp) need not
+    rows_of = meta[:, :1] * gp + jnp.arange(rows)[None, :]
+    q_tiles = q.reshape(KVH, Tp * gp, D)[:, rows_of]  # [KVH, W, rows, D]
     stages = stages or stages_for(rows * D * jnp.dtype(dtype).itemsize + 4096, chunk, D, dtype)
     ops = _Ops(interpret)
 
@@ -318,7 +320,7 @@ def paged_prefill_tiles(q, pages, layer, tables, meta, *, kv_heads, blocks, bloc
              q_smem, k_smem, v_smem, q_bar, k_bar, v_bar):
         w = lax.axis_index("w")
         h = lax.axis_index("h")
-        start, pos0, nrows = meta_ref[w, 0], meta_ref[w, 1], meta_ref[w, 2]
+        pos0, nrows = meta_ref[w, 1], meta_ref[w, 2]
         k_base = (layer_ref[0] * 2 * kv_heads + h) * blocks
         v_base = k_base + kv_heads * blocks
         hi = pos0 + jnp.maximum(nrows, 1)  # keys before this bound can be visible
@@ -327,7 +329,7 @@ def paged_prefill_tiles(q, pages, layer, tables, meta, *, kv_heads, blocks, bloc
         c1 = jnp.where(nrows > 0, pl.cdiv(hi, chunk), c0)
         fetch = _ring(pages_ref, k_smem, v_smem, k_bar, v_bar,
                       lambda i: tables_ref[w, i], k_base, v_base, ppc, bs)
-        plgpu.copy_gmem_to_smem(q_ref.at[h, pl.ds(start * gp, rows)], q_smem, q_bar)
+        plgpu.copy_gmem_to_smem(q_ref.at[h, w], q_smem, q_bar)
         plgpu.barrier_wait(q_bar)
 
         def chunk_step(c, slot, carry):
@@ -355,5 +357,5 @@ def paged_prefill_tiles(q, pages, layer, tables, meta, *, kv_heads, blocks, bloc
         grid=(W, KVH), grid_names=("w", "h"),
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret, kernel_name="jaxllm_mosaic_prefill",
-    )(layer, qf, pages, tables, meta)
+    )(layer, q_tiles, pages, tables, meta)
     return out.reshape(W, KVH, qt, gp, D)

@@ -17,6 +17,7 @@ from jaxllm.core.kv_cache_manager import KVCacheManager
 from jaxllm.core.scheduler import Scheduler
 from jaxllm.engine import kv_sizing
 from jaxllm.kernels import attention_backend as resolve_attention_backend
+from jaxllm.kernels import cuda_runtime_version
 from jaxllm.kernels import matmul_backend as resolve_matmul_backend
 from jaxllm.kernels.cpu import build as cpu_build
 from jaxllm.layers.dtype_policy import DTypePolicy, resolve_policy
@@ -118,7 +119,8 @@ def build_engine(config: EngineConfig, lora_modules=(), model_names=()) -> Engin
                         config.quantization is not None, "gpu", "pallas"),
         kvq.storage_dtype(config.kv_cache_dtype) is not None,
         compute_capability=getattr(jax.devices()[0], "compute_capability", None),
-        cpu_kernels=config.cpu_kernels)
+        cpu_kernels=config.cpu_kernels,
+        cuda_runtime=cuda_runtime_version() if platform == "gpu" else None)
     logger.info("attention: %s (%s%s)", config.attention_backend, why,
                 "" if requested == config.attention_backend else f"; asked for {requested}")
     mesh = make_mesh(config.tensor_parallel_size)

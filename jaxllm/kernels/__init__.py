@@ -27,9 +27,19 @@ def matmul_backend(platform: str, devices: int, requested: str = "auto",
     return "xla"
 
 
+def cuda_runtime_version() -> int | None:
+    """The CUDA runtime JAX's GPU plugin runs on (12080 for 12.8), None without one."""
+    try:
+        from jax._src.lib import cuda_versions  # private: JAX's own kernels consult it too
+        return cuda_versions.cuda_runtime_get_version() if cuda_versions else None
+    except Exception:
+        return None
+
+
 def attention_backend(requested: str, platform: str, cache_dtype, quantized_cache: bool,
                       head_dim: int | None = None, compute_capability: str | None = None,
-                      cpu_kernels: bool = True) -> tuple[str, str]:
+                      cpu_kernels: bool = True, cuda_runtime: int | None = None
+                      ) -> tuple[str, str]:
     """Where paged attention runs (EngineConfig.attention_backend, resolved), and why.
 
     "auto" is "pallas" on a GPU, the CPU kernels (or XLA's ops) elsewhere. "pallas" is the
@@ -48,6 +58,9 @@ def attention_backend(requested: str, platform: str, cache_dtype, quantized_cach
     if platform == "gpu" and why_not is None and compute_capability is not None:
         if float(compute_capability) < 9.0:
             why_not = f"Mosaic GPU needs a Hopper or later GPU (this one is sm_{compute_capability})"
+    if why_not is None and cuda_runtime is not None and 12080 <= cuda_runtime < 12091:
+        # JAX's FlashAttention-3 refuses masking on these for the same reason
+        why_not = "ptxas of CUDA 12.8.0-12.9.0 miscompiles the kernels' masking"
     if requested == "pallas-mosaic":
         if why_not:
             raise ValueError(f"attention_backend 'pallas-mosaic': {why_not}")

@@ -139,6 +139,9 @@ def test_backend_choice():
     assert choose("pallas-triton", "gpu", bf16, False, 128, "9.0")[0] == "pallas-triton"
     assert choose("auto", "cpu", bf16, False, 64)[0] == "cpu"
     assert choose("auto", "cpu", bf16, False, 64, cpu_kernels=False)[0] == "xla"
+    backend, why = choose("pallas", "gpu", bf16, False, 128, "9.0", cuda_runtime=12080)
+    assert backend == "pallas-triton" and "12.8" in why
+    assert choose("pallas", "gpu", bf16, False, 128, "9.0", cuda_runtime=13000)[0] == "pallas-mosaic"
     with pytest.raises(ValueError, match="attention_backend 'pallas-mosaic'.*Hopper"):
         choose("pallas-mosaic", "gpu", bf16, False, 128, "8.9")
     with pytest.raises(ValueError, match="attention_backend 'pallas-mosaic'.*float32"):
