@@ -158,13 +158,13 @@ def _rotated(batch, ctx, q_len, args, dtype, on_gpu):
 
 
 def mosaic_applies(dtype, head_dim: int, on_gpu: bool) -> str | None:
-    """None when the Mosaic kernels can run here, else why not."""
-    from pallas_kernels import mosaic_paged_attention as mosaic
-    why = mosaic.supports(dtype, head_dim)
-    cc = getattr(jax.devices()[0], "compute_capability", None)
-    if why is None and on_gpu and (cc is None or float(cc) < 9.0):
-        why = f"Mosaic GPU needs a Hopper or later GPU (sm_{cc})"
-    return why
+    """None when the Mosaic kernels can run here (as the engine decides), else why not."""
+    from jaxllm.kernels import attention_backend, cuda_runtime_version
+    backend, why = attention_backend(
+        "pallas", "gpu" if on_gpu else "cpu", dtype, False, head_dim,
+        getattr(jax.devices()[0], "compute_capability", None),
+        cuda_runtime=cuda_runtime_version() if on_gpu else None)
+    return None if backend == "pallas-mosaic" else why
 
 
 def _time(fn, sets, pick, iters, on_gpu):

@@ -28,12 +28,13 @@ buffers.
 """
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.split_k import combine_splits
 
 _NEG = -1e30
 DECODE_ROWS = 64   # one warpgroup matmul's M
@@ -138,7 +139,8 @@ class _Ops:
 
 def _attend(ops, q_smem, k_slot, v_slot, carry, ok, scale, soft_cap, dtype, rows, chunk, D,
             k_wait, v_wait):
-    """One chunk of the online softmax: scores, mask `ok(shape)`, rescale, PV."""
+    """One chunk of the online softmax: scores, the mask `ok` (visible keys), rescale, PV;
+    k_wait / v_wait wait for the chunk's K and V copies."""
     acc, m, l = carry
     k_wait()
     s = ops.mma(q_smem, k_slot, True, (rows, chunk)) * scale
@@ -268,12 +270,7 @@ def paged_decode(q, pages, layer, tables, lens, lo, *, kv_heads, blocks, block_s
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret, kernel_name="jaxllm_mosaic_decode",
     )(layer, qp, pages, tables, lens, lo)
-    # combine the splits by their log-sum-exp
-    m_all = m.max(axis=0)
-    w = jnp.exp(m - m_all[None])
-    l_all = (l * w).sum(axis=0)
-    o = (o * w[..., None]).sum(axis=0) / jnp.maximum(l_all, 1e-30)[..., None]
-    return o[:, :, :G]
+    return combine_splits(o, m, l)[:, :, :G]
 
 
 def paged_prefill_tiles(q, pages, layer, tables, meta, *, kv_heads, blocks, block_size, qt,

@@ -38,6 +38,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.split_k import combine_splits
+
 _NEG = -1e30
 DECODE_ROWS = 16  # query rows per decode program: the smallest tensor-core tile
 DECODE_WARPS, PREFILL_WARPS = 4, 8
@@ -228,12 +230,7 @@ def paged_decode(q, pages, layer, tables, lens, lo, *, kv_heads, blocks, block_s
         compiler_params=None if interpret else _triton(num_warps),
         name="jaxllm_paged_decode",
     )(layer, qp, pages, *([page_scales] if quantized else []), tables, lens, lo)
-    # combine the splits by their log-sum-exp
-    m_all = m.max(axis=0)
-    w = jnp.exp(m - m_all[None])
-    l_all = (l * w).sum(axis=0)
-    o = (o * w[..., None]).sum(axis=0) / jnp.maximum(l_all, 1e-30)[..., None]
-    return o[:, :, :G, :D_in]
+    return combine_splits(o, m, l)[:, :, :G, :D_in]
 
 
 # prefill tiles

@@ -113,6 +113,8 @@ def build_engine(config: EngineConfig, lora_modules=(), model_names=()) -> Engin
         cpu_build.set_amx(config.cpu_amx)
     policy = resolve_policy(config.dtype, platform, matmul_backend)
     requested = config.attention_backend
+    # the cache's float dtype (as a GPU holds it: a CPU's XLA path stores bf16 as bits);
+    # the head size is not known before loading, and every supported family's is fine
     config.attention_backend, why = resolve_attention_backend(
         requested, platform,
         kvq.cache_dtype(config.kv_cache_dtype, policy.weight, policy.activation,

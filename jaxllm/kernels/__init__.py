@@ -46,14 +46,13 @@ def attention_backend(requested: str, platform: str, cache_dtype, quantized_cach
     Mosaic GPU kernels where they apply (a Hopper or later GPU, or a CPU, where they run in
     their interpreter; a bf16/fp16 cache), the Triton kernels otherwise. Asking for
     "pallas-mosaic" where it does not apply is an error."""
-    from pallas_kernels import mosaic_paged_attention as mosaic
-
     if requested == "auto":
         if platform != "gpu":
             return ("cpu" if cpu_kernels else "xla"), "the default off a GPU"
         requested = "pallas"
     if not requested.startswith("pallas"):
         return requested, "asked for"
+    from pallas_kernels import mosaic_paged_attention as mosaic
     why_not = mosaic.supports(cache_dtype, head_dim or 64, quantized_cache)
     if platform == "gpu" and why_not is None and compute_capability is not None:
         if float(compute_capability) < 9.0:
