@@ -6,6 +6,7 @@
 //   jaxllm_bf16_in_out  w [L, K, N] bf16 (the layers' stacks)
 //   jaxllm_bf16_out_in  w [L, N, K] bf16 (a tied embedding table as the head)
 //   jaxllm_bf16_panels  w [L, N/48, K/2, 48] uint32: a [L, K, N] stack packed at load
+//   jaxllm_grouped_bf16 / _f32  w [L, X, K, N]: a mixture of experts' stack, rows in groups
 //
 // The index operand (common.h) picks the layer in place and says how many rows of x are real.
 // From 16 activation rows (4 on AMX) the activations are rounded to bf16 and multiply packed
@@ -214,6 +215,90 @@ ffi::Error Bf16OutIn(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
   return Bf16Impl(pool, x, w, layer, y, false);
 }
 
+// Grouped matmuls (a mixture of experts' projections): x [M, K] has its rows sorted into
+// groups of sizes g [X], and each group multiplies its expert's matrix of w [L, X, K, N] at
+// the index operand's layer, in place: a used expert's weights are read once, an unused
+// one's not at all. Rows past the groups come back as zeros.
+void f32_in_out(const float* w, const float* x, int64_t M, int64_t K, int64_t N, int64_t n0,
+                int64_t n1, float* y) {
+  for (int64_t m = 0; m < M; ++m) {
+    float* yr = y + m * N;
+    for (int64_t n = n0; n < n1; ++n) yr[n] = 0;
+    for (int64_t k = 0; k < K; ++k) {
+      const float xv = x[m * K + k];
+      const float* wr = w + k * N;
+      for (int64_t n = n0; n < n1; ++n) yr[n] += xv * wr[n];
+    }
+  }
+}
+
+template <typename W>
+ffi::Error GroupedImpl(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x, const W* w,
+                       ffi::Span<const int64_t> wd, const ffi::Buffer<ffi::S32>& layer,
+                       const ffi::Buffer<ffi::S32>& groups, ffi::ResultBuffer<ffi::F32>& y) {
+  auto xd = x.dimensions();
+  if (xd.size() != 2 || wd.size() != 4 || wd[2] != xd[1])
+    return ffi::Error::InvalidArgument("grouped matmul: x must be [M, K], w [L, X, K, N]");
+  const int64_t M = xd[0], L = wd[0], X = wd[1], K = wd[2], N = wd[3];
+  if (groups.element_count() != X)
+    return ffi::Error::InvalidArgument("grouped matmul: one group size per expert");
+  Index ix;
+  if (auto e = read_index(layer, L, M, &ix); e.failure()) return e;
+  const float* xp = x.typed_data();
+  float* yp = y->typed_data();
+  const int32_t* g = groups.typed_data();
+  int64_t start = 0;
+  for (int64_t e = 0; e < X && start < M; ++e) {
+    const int64_t c = std::clamp<int64_t>(g[e], 0, M - start);
+    if (c == 0) continue;
+    const W* we = w + (ix.layer * X + e) * K * N;
+    const float* xe = xp + start * K;
+    float* ye = yp + start * N;
+    if constexpr (std::is_same_v<W, uint16_t>) {
+      const bool amx = kBf16Packed && K % 32 == 0 && N % 16 == 0 && amx_on();
+      if (kBf16Packed && c >= (amx ? kBf16AmxMinRows : kBf16PackedMinRows) && K % 2 == 0 &&
+          N % 16 == 0) {
+        // AMX reads activations 16 rows at a time: the last tile's padding rows are zeros
+        std::vector<uint16_t> xb((amx ? (c + 15) / 16 * 16 : c) * K);
+        round_bf16(xe, c * K, xb.data());
+        const uint16_t* xbp = xb.data();
+        parallel_rows(pool, N, kPanel, [=](int64_t n0, int64_t n1) {
+          bf16_packed(we, xbp, c, K, N, n0, n1, ye, true, amx);
+        });
+      } else {
+        parallel_rows(pool, N, 128, [=](int64_t n0, int64_t n1) { bf16_in_out(we, xe, c, K, N, n0, n1, ye); });
+      }
+    } else {
+      parallel_rows(pool, N, 128, [=](int64_t n0, int64_t n1) { f32_in_out(we, xe, c, K, N, n0, n1, ye); });
+    }
+    start += c;
+  }
+  zero_rows(yp, start, M, N);
+  return ffi::Error::Success();
+}
+
+ffi::Error GroupedBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> w,
+                       ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> groups,
+                       ffi::ResultBuffer<ffi::F32> y) {
+  return GroupedImpl(pool, x, reinterpret_cast<const uint16_t*>(w.typed_data()), w.dimensions(),
+                     layer, groups, y);
+}
+
+ffi::Error GroupedF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                      ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> groups,
+                      ffi::ResultBuffer<ffi::F32> y) {
+  return GroupedImpl(pool, x, w.typed_data(), w.dimensions(), layer, groups, y);
+}
+
+#define JAXLLM_BIND_GROUPED(T)                \
+  ffi::Ffi::Bind()                            \
+      .Ctx<ffi::ThreadPool>()                 \
+      .Arg<ffi::Buffer<ffi::F32>>()           \
+      .Arg<ffi::Buffer<T>>()                  \
+      .Arg<ffi::Buffer<ffi::S32>>()           \
+      .Arg<ffi::Buffer<ffi::S32>>()           \
+      .Ret<ffi::Buffer<ffi::F32>>()
+
 auto BindBf16() {  // the bf16 matrix
   return ffi::Ffi::Bind()
       .Ctx<ffi::ThreadPool>()
@@ -226,6 +311,8 @@ auto BindBf16() {  // the bf16 matrix
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmBf16InOut, Bf16InOut, BindBf16());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmBf16OutIn, Bf16OutIn, BindBf16());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmGroupedBf16, GroupedBf16, JAXLLM_BIND_GROUPED(ffi::BF16));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmGroupedF32, GroupedF32, JAXLLM_BIND_GROUPED(ffi::F32));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmBf16Panels, Bf16Panels,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
