@@ -103,6 +103,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="transparent huge pages under a CPU engine's weights and KV cache "
                         "(default on)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
+    g.add_argument("--enable-expert-parallel", action="store_true", default=None,
+                   help="a mixture-of-experts model's experts split whole over the "
+                        "tensor-parallel devices (default: each expert's hidden columns)")
     g.add_argument("--distributed-coordinator", default=None, help="host:port of process 0")
     g.add_argument("--num-processes", type=int, default=None)
     g.add_argument("--process-id", type=int, default=None)
@@ -391,6 +394,8 @@ def main(argv=None) -> int:
             ("web", "web_ui", "the chat page and dashboard in headless Chromium: page weight, "
              "the TTFT the page adds, API throughput with the dashboard open", False),
             ("kernels", "kernels", "paged-attention kernels against measured peaks", False),
+            ("moe", "moe", "a mixture-of-experts decode step: grouped experts against every "
+             "expert on every token and a dense model of the same active parameters", False),
             ("dots", "dots", "the dtype forms of a projection's dot on this machine", False),
             ("detok", "detok", "the detokenizer's cost per token along a long stream", False),
             ("quality", "quality", "perplexity and greedy agreement per weight format", False),

@@ -89,6 +89,9 @@ class EngineConfig:
     # transparent huge pages under a CPU engine's weights and KV cache
     huge_pages: bool = True
     tensor_parallel_size: int = 1
+    # a mixture-of-experts model's experts split whole over the tensor-parallel devices
+    # (expert parallelism) instead of each expert's hidden columns
+    enable_expert_parallel: bool = False
     # multi-process (multi-host) runs: jax.distributed.initialize's coordinator and ranks
     distributed_coordinator: str | None = None
     num_processes: int = 1

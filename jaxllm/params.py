@@ -22,6 +22,11 @@ class ParamSpec:
     matrix: str | None = None
     dtype: Any = None              # a fixed dtype (quantized parts), overriding the role
 
+    @property
+    def per_expert(self) -> bool:
+        """A layer stack of experts' matrices: [layers, experts, ...]."""
+        return len(self.axes) > 1 and self.axes[1] in ("experts", "experts_whole")
+
     def __post_init__(self):
         if self.matrix not in (None, "in_out", "out_in"):
             raise ValueError(f"matrix must be None, 'in_out' or 'out_in', got {self.matrix!r}")

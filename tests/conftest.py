@@ -130,7 +130,8 @@ def _tiny_config(arch: str, **over):
     common.update(over)
     cls = {"LlamaForCausalLM": transformers.LlamaConfig, "MistralForCausalLM": transformers.MistralConfig,
            "Qwen2ForCausalLM": transformers.Qwen2Config, "Qwen3ForCausalLM": transformers.Qwen3Config,
-           "Phi3ForCausalLM": transformers.Phi3Config}[arch]
+           "Phi3ForCausalLM": transformers.Phi3Config, "MixtralForCausalLM": transformers.MixtralConfig,
+           "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig, "OlmoeForCausalLM": transformers.OlmoeConfig}[arch]
     return cls(**common)
 
 
@@ -155,13 +156,23 @@ TINY_VARIANTS = {
 }
 
 
+# mixture-of-experts families: six experts of width 32, two per token
+_MOE = dict(num_experts_per_tok=2, intermediate_size=32)
+MOE_VARIANTS = {
+    "mixtral": ("MixtralForCausalLM", dict(_MOE, num_local_experts=6, sliding_window=None)),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", dict(_MOE, num_experts=6, moe_intermediate_size=32,
+                                              norm_topk_prob=True, head_dim=32)),
+    "olmoe": ("OlmoeForCausalLM", dict(_MOE, num_experts=6, clip_qkv=0.5)),
+}
+
+
 def make_tiny_checkpoint(path, variant: str, tokenizer_dir: str | None = None,
                          max_shard_size: str | None = None, seed: int = 0, **config_over):
     import torch
     import transformers
 
-    arch, over = TINY_VARIANTS[variant]
-    config = _tiny_config(arch, **over, **config_over)
+    arch, over = {**TINY_VARIANTS, **MOE_VARIANTS}[variant]
+    config = _tiny_config(arch, **{**over, **config_over})
     torch.manual_seed(seed)
     model = getattr(transformers, arch)(config).to(torch.float32).eval()
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}

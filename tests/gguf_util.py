@@ -58,12 +58,26 @@ def copy_tokenizer_metadata(writer: gguf.GGUFWriter, source_gguf: str) -> None:
     writer.add_chat_template(f["tokenizer.chat_template"])
 
 
+# mixture-of-experts families: llama.cpp's architecture, whether its converter permutes q/k
+# (Mixtral is "llama" with experts; Qwen3-MoE and OLMoE rotate halves, as HF does), and where
+# HF keeps the router and the experts' projections (gate, up, down)
+_MOE = {"MixtralForCausalLM": ("llama", True, "block_sparse_moe", ("w1", "w3", "w2")),
+        "Qwen3MoeForCausalLM": ("qwen3moe", False, "mlp", ("gate_proj", "up_proj", "down_proj")),
+        "OlmoeForCausalLM": ("olmoe", False, "mlp", ("gate_proj", "up_proj", "down_proj"))}
+
+
 def write_gguf(model, path: str, tokenizer_from: str | None = None,
-               qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32) -> None:
-    """An HF Llama-family torch model as a GGUF file; matrices stored as `qtype`."""
+               qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
+               checkpoint: str | None = None) -> None:
+    """An HF Llama-family (or Mixtral, Qwen3-MoE, OLMoE) torch model as a GGUF file; matrices
+    stored as `qtype`, the experts' stacks [experts, out, in] merged per layer in F32 (as
+    llama.cpp's converter merges them). `checkpoint`: the directory the model was saved to,
+    whose per-expert tensors the converter reads (transformers fuses them in memory)."""
     cfg = model.config
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-    w = gguf.GGUFWriter(path, "llama")
+    arch_name, permute, moe_prefix, moe_names = _MOE.get(cfg.architectures[0] if cfg.architectures
+                                                         else type(model).__name__, ("llama", True, None, None))
+    w = gguf.GGUFWriter(path, arch_name)
     w.add_name("tiny")
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
@@ -78,6 +92,14 @@ def write_gguf(model, path: str, tokenizer_from: str | None = None,
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
     w.add_file_type(int(qtype))
+    experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
+    if moe_prefix:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        if arch_name == "qwen3moe":
+            w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        if getattr(cfg, "clip_qkv", None) is not None:
+            w.add_clamp_kqv(cfg.clip_qkv)
     if tokenizer_from:
         copy_tokenizer_metadata(w, tokenizer_from)
     if rs.get("rope_type") == "llama3":
@@ -91,7 +113,11 @@ def write_gguf(model, path: str, tokenizer_from: str | None = None,
         else:
             w.add_tensor(name, arr)
 
-    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    if checkpoint is not None:
+        from safetensors.numpy import load_file
+        sd = {k: v.astype(np.float32) for k, v in load_file(f"{checkpoint}/model.safetensors").items()}
+    else:
+        sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
     put("token_embd.weight", sd["model.embed_tokens.weight"])
     put("output_norm.weight", sd["model.norm.weight"])
     if "lm_head.weight" in sd and not cfg.tie_word_embeddings:
@@ -101,11 +127,20 @@ def write_gguf(model, path: str, tokenizer_from: str | None = None,
             t = sd.get(f"model.layers.{i}.{hf}")
             if t is None:
                 continue
-            if hf.startswith("self_attn.q_proj"):
+            if permute and hf.startswith("self_attn.q_proj"):
                 t = llama_cpp_permute(t, heads)
-            elif hf.startswith("self_attn.k_proj"):
+            elif permute and hf.startswith("self_attn.k_proj"):
                 t = llama_cpp_permute(t, kv_heads)
             put(f"blk.{i}.{ours}", t)
+        if moe_prefix:
+            layer = f"model.layers.{i}.{moe_prefix}"
+            for norm in ("q", "k"):
+                if f"model.layers.{i}.self_attn.{norm}_norm.weight" in sd:
+                    put(f"blk.{i}.attn_{norm}_norm.weight", sd[f"model.layers.{i}.self_attn.{norm}_norm.weight"])
+            put(f"blk.{i}.ffn_gate_inp.weight", sd[f"{layer}.gate.weight"])
+            for hf, ours in zip(moe_names, ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")):
+                w.add_tensor(f"blk.{i}.{ours}.weight", np.stack(
+                    [sd[f"{layer}.experts.{e}.{hf}.weight"] for e in range(experts)]).astype(np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

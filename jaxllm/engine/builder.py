@@ -134,7 +134,8 @@ def build_engine(config: EngineConfig, lora_modules=(), model_names=()) -> Engin
                         matmul_backend=matmul_backend,
                         int4_activations=config.int4_activations,
                         quantization_group_size=config.quantization_group_size,
-                        int4_calibration=config.int4_calibration)
+                        int4_calibration=config.int4_calibration,
+                        expert_parallel=config.enable_expert_parallel)
     load_seconds = time.perf_counter() - load_start
     kv_dtype = kvq.cache_dtype(config.kv_cache_dtype, policy.weight, policy.activation,
                                loaded.quant is not None, platform, config.attention_backend)

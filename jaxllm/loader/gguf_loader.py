@@ -64,7 +64,7 @@ def gguf_arch_config(reader, cls) -> ArchConfig:
     names = {t.name for t in reader.tensors}
     vocab = _field(reader, p + "vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
     biases = {m.group(2) for n in names if (m := _LAYER_RE.fullmatch(n)) and n.endswith(".bias")}
-    return ArchConfig(
+    out = ArchConfig(
         architecture=cls.__name__,
         vocab_size=int(vocab),
         hidden_size=hidden,
@@ -84,6 +84,15 @@ def gguf_arch_config(reader, cls) -> ArchConfig:
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
     )
+    experts = _field(reader, p + "expert_count")
+    if experts:
+        out.num_experts = int(experts)
+        out.num_experts_per_tok = int(_field(reader, p + "expert_used_count", 0))
+        out.intermediate_size = int(_field(reader, p + "expert_feed_forward_length", out.intermediate_size))
+    # the family's own reading: its norms, its routing (llama.cpp keeps some in its code)
+    out = cls.arch_from_gguf(out, lambda key, default=None: _field(reader, p + key, default))
+    out.__post_init__()
+    return out
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:

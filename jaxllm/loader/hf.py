@@ -14,8 +14,11 @@ class StackedWeights:
     """Collects per-layer tensors (and the segments of fused ones) into stacked arrays."""
 
     def __init__(self, shapes: dict[str, tuple[int, ...]], dtypes: dict[str, np.dtype],
-                 segments: dict[str, dict[str, int]], matrices: dict[str, str] | None = None):
+                 segments: dict[str, dict[str, int]], matrices: dict[str, str] | None = None,
+                 experts: frozenset = frozenset()):
         self.shapes, self.dtypes = shapes, dtypes
+        # stacks [layers, experts, ...]: each tensor of the checkpoint is one expert's
+        self.experts = experts
         self.matrices = matrices or {}  # name -> "in_out" | "out_in" for quantizable matrices
         # quantized parts: name -> [(target, layer, HostQuant, source)]
         self.quant: dict[str, list] = {}
@@ -36,6 +39,10 @@ class StackedWeights:
         is kept quantized."""
         name = target.name if layer is None else "layers." + target.name
         if isinstance(value, qf.HostQuant):
+            if target.expert is not None:
+                raise ValueError(f"checkpoint tensor {source}: quantized mixture-of-experts "
+                                 "checkpoints are not supported; load a float checkpoint (online "
+                                 "quantization applies to its experts)")
             self._put_quant(name, target, layer, value, source)
             return
         if name not in self.shapes:
@@ -44,7 +51,18 @@ class StackedWeights:
             raise ValueError(f"checkpoint tensor {source} has no place in this model's "
                              f"configuration (is a config flag such as a bias missing?)")
         full = self.shapes[name]
+        expert = target.expert
+        if target.all_experts:
+            self._put_all_experts(name, target, layer, value, source)
+            return
+        if (expert is not None) != (name in self.experts):
+            raise ValueError(f"checkpoint tensor {source} does not match this model's "
+                             f"{'per-expert' if expert is None else 'dense'} {name}")
         want = list(full[1:] if layer is not None else full)
+        if expert is not None:
+            if expert >= full[1]:
+                raise ValueError(f"tensor {source}: expert {expert} but the model has {full[1]} experts")
+            want = want[1:]
         cols = slice(None)
         if target.segment is not None:
             start, n = self.segments[target.name][target.segment]
@@ -62,9 +80,32 @@ class StackedWeights:
             arr = self.arrays[name] = np.empty(full, dtype=self.dtypes[name])
         if layer is None:
             arr[..., cols] = value
+        elif expert is not None:
+            arr[layer, expert, ..., cols] = value
         else:
             arr[layer, ..., cols] = value
-        self.filled.setdefault(name, set()).add((layer, target.segment))
+        slot = layer if expert is None else (layer, expert)
+        self.filled.setdefault(name, set()).add((slot, target.segment))
+
+    def _put_all_experts(self, name: str, target: Target, layer: int, value, source: str) -> None:
+        """Every expert's matrix of one layer at once (a GGUF stack [experts, out, in])."""
+        if name not in self.experts:
+            raise ValueError(f"checkpoint tensor {source} holds experts, but {name} has none")
+        full = self.shapes[name]
+        want, cols = list(full[1:]), slice(None)
+        if target.segment is not None:
+            start, n = self.segments[target.name][target.segment]
+            want[-1], cols = n, slice(start, start + n)
+        file_shape = (want[0], want[2], want[1]) if target.transpose else tuple(want)
+        if tuple(value.shape) != file_shape:
+            raise ValueError(f"tensor {source} has shape {tuple(value.shape)}, expected {file_shape}")
+        if layer >= full[0]:
+            raise ValueError(f"tensor {source}: layer {layer} but the model has {full[0]} layers")
+        arr = self.arrays.get(name)
+        if arr is None:
+            arr = self.arrays[name] = np.empty(full, dtype=self.dtypes[name])
+        arr[layer, ..., cols] = np.swapaxes(value, -1, -2) if target.transpose else value
+        self.filled.setdefault(name, set()).update(((layer, e), target.segment) for e in range(full[1]))
 
     def _put_quant(self, name: str, target: Target, layer, value: qf.HostQuant, source: str) -> None:
         if name not in self.shapes:
@@ -127,13 +168,16 @@ class StackedWeights:
         for name, shape in self.shapes.items():
             got = self.filled.get(name, set())
             layers = [None] if not name.startswith("layers.") else range(shape[0])
+            if name in self.experts:
+                layers = [(i, e) for i in layers for e in range(shape[1])]
             whole = {(i, None) for i in layers}
             parts = {(i, s) for i in layers for s in self.segments.get(name.split(".")[-1], {})}
             if got == whole or (parts and got == parts):
                 continue
             want = parts if parts and not got & whole else whole
             missing = sorted(want - got, key=lambda x: (-1 if x[0] is None else x[0], x[1] or ""))
-            what = ", ".join(f"layer {i} {s}" if s else f"layer {i}" for i, s in missing[:5])
+            slot = (lambda i: f"layer {i[0]} expert {i[1]}" if isinstance(i, tuple) else f"layer {i}")
+            what = ", ".join(f"{slot(i)} {s}" if s else slot(i) for i, s in missing[:5])
             raise ValueError(f"checkpoint is missing {name} ({what}...)" if name.startswith("layers.")
                              else f"checkpoint is missing {name}")
         return self.arrays

@@ -132,7 +132,8 @@ def get_tokenizer(model: str | None):
 def _stacked(cls, arch: ArchConfig, policy: DTypePolicy) -> StackedWeights:
     specs = cls.param_specs(arch)
     return StackedWeights({k: v.shape for k, v in specs.items()}, param_dtypes(specs, policy),
-                          cls.segments(arch), {k: v.matrix for k, v in specs.items() if v.matrix})
+                          cls.segments(arch), {k: v.matrix for k, v in specs.items() if v.matrix},
+                          frozenset(k for k, v in specs.items() if v.per_expert))
 
 
 @dataclass
@@ -151,7 +152,9 @@ def _read_weights(path: str, gguf_file: str | None, cfg_only: bool, policy: DTyp
     if gguf_file:
         from jaxllm.loader.gguf_loader import gguf_arch_config, is_quantized, load_gguf_weights, open_gguf
         reader = open_gguf(gguf_file)
-        cls = model_class_for_gguf(str(reader.fields["general.architecture"].contents()))
+        gguf_arch = str(reader.fields["general.architecture"].contents())
+        experts = reader.fields.get(f"{gguf_arch}.expert_count")
+        cls = model_class_for_gguf(gguf_arch, int(experts.contents()) if experts is not None else 0)
         arch = gguf_arch_config(reader, cls)
         method = "gguf" if is_quantized(reader) else None
         if cfg_only:
@@ -273,7 +276,7 @@ def load_model(model: str | None, policy, load_format: str = "auto", seed: int =
                load_tokenizer: bool = True, mesh=None, quantization: str | None = None,
                smoothquant_alpha: float | None = None, matmul_backend: str | None = None,
                int4_activations: str = "float", quantization_group_size: int | None = None,
-               int4_calibration: str | None = None) -> LoadedModel:
+               int4_calibration: str | None = None, expert_parallel: bool = False) -> LoadedModel:
     """Read a checkpoint (or make random weights with load_format="dummy") straight into the
     shards of `mesh` (default: a mesh of the first device). With tensor parallelism the
     model's shapes are padded / repeated per jaxllm.parallel.plan; each device receives only
@@ -284,7 +287,8 @@ def load_model(model: str | None, policy, load_format: str = "auto", seed: int =
     where matmuls run (jaxllm.kernels.matmul_backend; None: the mesh's default);
     `int4_activations`: QuantSpec.int4_activations. `quantization_group_size` and
     `int4_calibration` shape int4 made at load (None: the defaults of jaxllm.quantization;
-    AWQ's search, jaxllm.quantization.awq, needs float weights: random ones get unit vectors)."""
+    AWQ's search, jaxllm.quantization.awq, needs float weights: random ones get unit vectors).
+    `expert_parallel`: a mixture-of-experts model's experts split whole over the mesh."""
     from jaxllm.parallel import make_mesh, plan, platform_of, runtime_arch
 
     if not isinstance(policy, DTypePolicy):
@@ -340,6 +344,8 @@ def load_model(model: str | None, policy, load_format: str = "auto", seed: int =
                 raise ValueError(f"load_format='dummy' cannot make {method} weights; use int4 or int8")
             method = None  # random float weights of the checkpoint's shapes
         ckpt_arch, weights = read.arch, read.weights
+        if expert_parallel:
+            ckpt_arch = replace(ckpt_arch, expert_parallel=True)
         tp = plan(ckpt_arch, mesh.size)
         arch = runtime_arch(ckpt_arch, tp)
         cls = get_model_class(arch.architecture)

@@ -29,11 +29,22 @@ class ArchConfig:
     vocab_pad: int = 0  # zero rows added for tensor parallelism; their logits are cut off
     tp_size: int = 1    # devices the runtime shapes are split over (fused columns are device-major)
     rotary_dim: int | None = None  # RoPE on the first rotary_dim of head_dim (None: all of it)
+    # OLMoE: q and k normed over all their heads at once (not per head), and q/k/v clipped
+    qk_norm_all_heads: bool = False
+    clip_qkv: float | None = None
+    # mixture of experts (0: a dense MLP); intermediate_size is then each expert's
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    norm_topk_prob: bool = True   # the top-k router weights renormalised to sum to 1
+    expert_parallel: bool = False  # runtime: experts split over the devices, not their columns
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_attention_heads ({self.num_heads}) must be a multiple of "
                              f"num_key_value_heads ({self.num_kv_heads})")
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be between 1 "
+                             f"and the number of experts ({self.num_experts})")
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "ArchConfig":

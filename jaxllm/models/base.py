@@ -4,7 +4,7 @@ axes and how tensor parallelism reshapes its weights. The loader, the sharding r
 runner ask the model class; nothing outside models/ knows a family's parameter names."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import jax.numpy as jnp
 import numpy as np
@@ -24,6 +24,11 @@ class Target:
     # GGUF only: llama.cpp interleaves the rotary halves of q and k rows; the number of heads
     # ("q" or "k") to undo that with
     unpermute: str | None = None
+    # a mixture-of-experts weight: the expert it belongs to (lookup fills it in from the name;
+    # the layer table writes the index as "*")
+    expert: int | None = None
+    # GGUF: one tensor holds every expert's matrix, [experts, out, in]
+    all_experts: bool = False
 
 
 class WeightMap:
@@ -35,6 +40,7 @@ class WeightMap:
         self._layer_re = re.compile(layer_re)
         self.layer, self.whole = layer, whole
         self._ignored = re.compile(ignored_re) if ignored_re else None
+        self._expert_re = re.compile(r"(.*\.experts)\.(\d+)\.(.+)")
 
     def lookup(self, name: str) -> tuple[Target, int | None] | None:
         """(target, layer or None); None for a tensor that is safe to skip. A tensor we do
@@ -44,6 +50,10 @@ class WeightMap:
         m = self._layer_re.fullmatch(name)
         if m and m.group(2) in self.layer:
             return self.layer[m.group(2)], int(m.group(1))
+        e = m and self._expert_re.fullmatch(m.group(2))
+        if e and f"{e.group(1)}.*.{e.group(3)}" in self.layer:
+            target = self.layer[f"{e.group(1)}.*.{e.group(3)}"]
+            return replace(target, expert=int(e.group(2))), int(m.group(1))
         if self._ignored is not None and self._ignored.fullmatch(name):
             return None
         raise ValueError(f"checkpoint tensor {name} is not used by this model (unsupported "
@@ -52,3 +62,12 @@ class WeightMap:
 
 def param_dtypes(specs: dict[str, ParamSpec], policy: DTypePolicy) -> dict[str, np.dtype]:
     return {k: np.dtype(jnp.dtype(s.dtype_for(policy))) for k, s in specs.items()}
+
+
+def parameter_counts(specs: dict[str, ParamSpec], arch) -> dict[str, int]:
+    """Parameters in all, and those one token uses: of a mixture of experts' stacks, only its
+    num_experts_per_tok experts."""
+    total = sum(int(np.prod(s.shape)) for s in specs.values())
+    experts = sum(int(np.prod(s.shape)) for s in specs.values() if s.per_expert)
+    unused = experts - experts // arch.num_experts * arch.num_experts_per_tok if arch.num_experts else 0
+    return {"total": total, "active_per_token": total - unused}

@@ -21,6 +21,7 @@ from jaxllm.kernels import matmul_backend as default_matmul_backend
 from jaxllm.kernels.cpu.panels import DenseWeight, dense_weight, embed_from_panels, is_bf16_panels
 from jaxllm.layers.dtype_policy import DTypePolicy, uniform_policy, uses_dense_kernel
 from jaxllm.layers.linear import linear
+from jaxllm.layers.moe import ExpertStack
 from jaxllm.layers.norm import rms_norm
 from jaxllm.layers.rotary import apply_rope, rope_inv_freq, rope_mscale
 from jaxllm.models.arch import ArchConfig
@@ -118,6 +119,12 @@ class LlamaForCausalLM(nnx.Module):
     def arch_from_hf(cls, cfg: dict) -> ArchConfig:
         return ArchConfig.from_hf(cfg)
 
+    @classmethod
+    def arch_from_gguf(cls, arch: ArchConfig, field) -> ArchConfig:
+        """The family's adjustments to what a GGUF file's common metadata gave (`field(key,
+        default)` reads the file's keys of its architecture)."""
+        return arch
+
     @staticmethod
     def segments(cfg: ArchConfig) -> dict[str, dict[str, int]]:
         """The parts of each fused parameter's last axis, in order, with their widths."""
@@ -152,7 +159,10 @@ class LlamaForCausalLM(nnx.Module):
         if cfg.mlp_bias:
             specs["layers.b_gate_up"] = ParamSpec((L, 2 * F), ("layers", "mlp"), **bias)
             specs["layers.b_down"] = ParamSpec((L, E), ("layers", "embed"), **bias)
-        if cfg.qk_norm:
+        if cfg.qk_norm and cfg.qk_norm_all_heads:  # over q's and k's whole widths
+            specs["layers.q_norm"] = ParamSpec((L, H * D), ("layers", None), **norm)
+            specs["layers.k_norm"] = ParamSpec((L, K * D), ("layers", None), **norm)
+        elif cfg.qk_norm:
             specs["layers.q_norm"] = ParamSpec((L, D), ("layers", "head_dim"), **norm)
             specs["layers.k_norm"] = ParamSpec((L, D), ("layers", "head_dim"), **norm)
         if not cfg.tie_word_embeddings:
@@ -189,6 +199,8 @@ class LlamaForCausalLM(nnx.Module):
             if name in out:
                 q, k, v = parts(name)
                 out[name] = device_major([q, repeat_heads(k), repeat_heads(v)], tp)
+        if cfg.qk_norm_all_heads and plan.kv_repeat > 1 and "layers.k_norm" in out:
+            out["layers.k_norm"] = repeat_heads(out["layers.k_norm"])
         for name in ("layers.w_gate_up", "layers.b_gate_up"):
             if name in out:
                 out[name] = device_major([pad_last(p, plan.mlp_pad) for p in parts(name)], tp)
@@ -216,6 +228,7 @@ class LlamaForCausalLM(nnx.Module):
         # bf16 float matrices on a CPU go through the kernel that widens them in registers
         if matmul_backend is None:
             matmul_backend = default_matmul_backend(platform_of(mesh), 1 if mesh is None else mesh.size)
+        self.matmul_backend = matmul_backend
         self.dense_kernel = uses_dense_kernel(policy, matmul_backend)
         specs = self.param_specs(cfg)
         full = quantized_specs(specs, quant)
@@ -261,7 +274,7 @@ class LlamaForCausalLM(nnx.Module):
         `observe(site, layer, x)`, traced: sees the input x of each of PROJECTION_SITES of each layer (a traced index); calibration records it."""
         cfg, pol = self.cfg, self.policy
         T = input_ids.shape[0]
-        H, K, D, F, tp = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.tp_size
+        H, K, D, tp = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.tp_size
         eps = cfg.rms_norm_eps
         inv_freq, mscale = self.rope()
         scale = D ** -0.5
@@ -289,8 +302,12 @@ class LlamaForCausalLM(nnx.Module):
             h = rms_norm(x, w["input_norm"], eps)
             qkv = linear(h, w["wqkv"], pol, w.get("bqkv"), adapters("wqkv"), real)
             q, k, v = split_device_major(qkv, [H * D, K * D, K * D], tp)
+            if cfg.qk_norm and cfg.qk_norm_all_heads:
+                q, k = rms_norm(q, w["q_norm"], eps), rms_norm(k, w["k_norm"], eps)
+            if cfg.clip_qkv is not None:  # after the norms, as OLMoE clips
+                q, k, v = (jnp.clip(a, -cfg.clip_qkv, cfg.clip_qkv) for a in (q, k, v))
             q, k, v = q.reshape(T, H, D), k.reshape(T, K, D), v.reshape(T, K, D)
-            if cfg.qk_norm:
+            if cfg.qk_norm and not cfg.qk_norm_all_heads:
                 q, k = rms_norm(q, w["q_norm"], eps), rms_norm(k, w["k_norm"], eps)
             q = apply_rope(q, md.positions, inv_freq, mscale)
             k = apply_rope(k, md.positions, inv_freq, mscale)
@@ -298,10 +315,7 @@ class LlamaForCausalLM(nnx.Module):
                                     self.attention_backend, self.mesh)
             x = x + linear(o.reshape(T, H * D), w["wo"], pol, w.get("bo"), adapters("wo"), real)
             h = rms_norm(x, w["post_norm"], eps)
-            gate, up = split_device_major(linear(h, w["w_gate_up"], pol, w.get("b_gate_up"),
-                                                 adapters("w_gate_up"), real), [F, F], tp)
-            x = x + linear(jax.nn.silu(gate) * up, w["w_down"], pol, w.get("b_down"),
-                           adapters("w_down"), real)
+            x = x + self.feed_forward(h, w, real, adapters)
             return (x, kv, i + 1), None
 
         weights = self.layers.weights()
@@ -310,8 +324,9 @@ class LlamaForCausalLM(nnx.Module):
             weights = {k: w if isinstance(w, QWeight) else
                        dense_weight(w) if w.ndim == 3 or is_bf16_panels(w) else w
                        for k, w in weights.items()}
+        weights = self.in_place_weights(weights)
         # quantized (and kernel-read) stacks are read in place at the layer's index
-        kinds = (QWeight, DenseWeight)
+        kinds = (QWeight, DenseWeight, ExpertStack)
         stacked = {k: w for k, w in weights.items() if not isinstance(w, kinds)}
         in_place = {k: w for k, w in weights.items() if isinstance(w, kinds)}
         if lora is not None:  # the adapters' stacked weights are scanned with the layers'
@@ -328,6 +343,19 @@ class LlamaForCausalLM(nnx.Module):
                                             {**jax.tree.map(lambda a: a[i], stacked),
                                              **{k: q.at(i) for k, q in in_place.items()}})
         return rms_norm(x, self.norm[...], eps), kv_cache
+
+    def feed_forward(self, h: jax.Array, w: dict, real, adapters) -> jax.Array:
+        """The MLP of one layer: h [T, E] -> [T, E] (an MoE family routes it to experts)."""
+        F, tp, pol = self.cfg.intermediate_size, self.cfg.tp_size, self.policy
+        gate, up = split_device_major(linear(h, w["w_gate_up"], pol, w.get("b_gate_up"),
+                                             adapters("w_gate_up"), real), [F, F], tp)
+        return linear(jax.nn.silu(gate) * up, w["w_down"], pol, w.get("b_down"),
+                      adapters("w_down"), real)
+
+    def in_place_weights(self, weights: dict) -> dict:
+        """The layer stacks as the layers read them (an MoE family wraps its experts' stacks
+        for the CPU kernel)."""
+        return weights
 
 
 class _Layers(nnx.Module):

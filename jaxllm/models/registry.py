@@ -10,6 +10,9 @@ _MODELS = {
     "Qwen2ForCausalLM": ("jaxllm.models.llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("jaxllm.models.llama", "LlamaForCausalLM"),
     "Phi3ForCausalLM": ("jaxllm.models.phi3", "Phi3ForCausalLM"),
+    "MixtralForCausalLM": ("jaxllm.models.mixtral", "MixtralForCausalLM"),
+    "Qwen3MoeForCausalLM": ("jaxllm.models.qwen3_moe", "Qwen3MoeForCausalLM"),
+    "OlmoeForCausalLM": ("jaxllm.models.olmoe", "OlmoeForCausalLM"),
 }
 
 
@@ -30,11 +33,13 @@ def get_model_class(architecture: str):
     return getattr(importlib.import_module(module), cls)
 
 
-def model_class_for_gguf(gguf_arch: str):
-    """The model class that reads a GGUF file of llama.cpp architecture `gguf_arch`."""
+def model_class_for_gguf(gguf_arch: str, experts: int = 0):
+    """The model class that reads a GGUF file of llama.cpp architecture `gguf_arch` (whose
+    layers have `experts` experts: Mixtral is llama.cpp's "llama" with experts)."""
     for name in dict.fromkeys(_MODELS):
         cls = get_model_class(name)
-        if gguf_arch in getattr(cls, "GGUF_ARCHITECTURES", ()):
+        if (gguf_arch in getattr(cls, "GGUF_ARCHITECTURES", ())
+                and getattr(cls, "MIXTURE_OF_EXPERTS", False) == bool(experts)):
             return cls
     known = sorted({a for n in _MODELS for a in getattr(get_model_class(n), "GGUF_ARCHITECTURES", ())})
     raise ValueError(f"unsupported GGUF architecture {gguf_arch!r}; supported: {', '.join(known)}")

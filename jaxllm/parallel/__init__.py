@@ -17,6 +17,10 @@ LOGICAL_AXIS_RULES: dict[str, str | None] = {
     "heads": TP,      # query heads (x head_dim) of q and o
     "kv_heads": TP,   # key/value heads of k, v and the KV cache
     "mlp": TP,        # the MLP's hidden size
+    # mixture of experts: the experts' axis split over the devices (expert parallelism), or
+    # kept whole on each (the experts' hidden size split instead, as a dense MLP's)
+    "experts": TP,
+    "experts_whole": None,
     "embed": None,
     "layers": None,
     "head_dim": None,
@@ -64,8 +68,14 @@ class TPPlan:
 def plan(arch, size: int) -> TPPlan:
     if size < 1:
         raise ValueError(f"tensor_parallel_size must be at least 1, got {size}")
+    if arch.expert_parallel and not arch.num_experts:
+        raise ValueError(f"enable_expert_parallel: {arch.architecture} has no experts")
     if size == 1:
         return TPPlan(1)
+    if arch.expert_parallel and arch.num_experts % size:
+        raise ValueError(f"enable_expert_parallel: the {arch.num_experts} experts of "
+                         f"{arch.architecture} do not divide over {size} devices "
+                         "(tensor_parallel_size); choose a size that divides them")
     H, KVH = arch.num_heads, arch.num_kv_heads
     if H % size:
         raise ValueError(f"num_attention_heads ({H}) is not divisible by tensor_parallel_size "
@@ -77,8 +87,9 @@ def plan(arch, size: int) -> TPPlan:
     else:
         raise ValueError(f"num_key_value_heads ({KVH}) and tensor_parallel_size ({size}) must "
                          "divide one another")
-    return TPPlan(size, vocab_pad=-arch.vocab_size % size,
-                  mlp_pad=-arch.intermediate_size % size, kv_repeat=repeat)
+    # whole experts per device (expert parallelism) keep their hidden size as it is
+    mlp_pad = 0 if arch.expert_parallel else -arch.intermediate_size % size
+    return TPPlan(size, vocab_pad=-arch.vocab_size % size, mlp_pad=mlp_pad, kv_repeat=repeat)
 
 
 def runtime_arch(arch, p: TPPlan):

@@ -23,7 +23,7 @@ def run_worker(model: str, sizes: str, backend: str = "cpu") -> dict:
                           env={**os.environ, "JAXLLM_TEST_BACKEND": backend})
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))
-    return {int(k): v for k, v in json.loads(line[len("RESULT "):]).items()}
+    return {int(k) if k.isdigit() else k: v for k, v in json.loads(line[len("RESULT "):]).items()}
 
 
 def assert_same_as_one_device(res: dict, sizes):
@@ -121,6 +121,35 @@ def test_tp_2_4_8_match_one_device(tp_checkpoint):
     res = run_worker(tp_checkpoint, "1,2,4,8")
     assert_same_as_one_device(res, (2, 4, 8))
     assert res[8]["kv_cache_spec"] == ["P(None, None, 'tp', None, None)"]
+
+
+@pytest.mark.slow
+def test_moe_tensor_and_expert_parallel_match_one_device(tmp_path, tokenizer_dir):
+    """Qwen3-MoE with 8 experts of width 30: split by the experts' columns (padded to 32 at
+    4 devices) or, with expert parallelism, by whole experts; both equal one device."""
+    from conftest import make_tiny_checkpoint
+    make_tiny_checkpoint(tmp_path, "qwen3_moe", tokenizer_dir, num_experts=8, moe_intermediate_size=30)
+    res = run_worker(str(tmp_path), "1,4,2e,4e")
+    one = res[1]
+    for key in (4, "2e", "4e"):
+        assert "error" not in res[key], res[key]
+        assert res[key]["tokens"] == one["tokens"], key
+        for part in ("logprobs", "prompt_logprobs"):
+            np.testing.assert_allclose(np.concatenate(res[key][part]), np.concatenate(one[part]),
+                                       atol=1e-4, rtol=1e-4)
+    # [layers, experts, embed, gate and up columns] on one device
+    assert one["experts_shard"] == [2, 8, 64, 60]
+    assert res[4]["experts_shard"] == [2, 8, 64, 16]
+    assert res["2e"]["experts_shard"] == [2, 4, 64, 60]
+    assert res["4e"]["experts_shard"] == [2, 2, 64, 60]
+
+
+def test_expert_parallel_needs_experts_that_divide():
+    arch = ArchConfig("MixtralForCausalLM", 64, 32, 16, 1, 4, 2, 8, num_experts=6,
+                      num_experts_per_tok=2, expert_parallel=True)
+    assert plan(arch, 2).mlp_pad == 0
+    with pytest.raises(ValueError, match="the 6 experts of MixtralForCausalLM do not divide over 4"):
+        plan(arch, 4)
 
 
 @pytest.mark.slow
