@@ -18,6 +18,7 @@ machine complains at every start); no GPU, no driver.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import glob
 import os
@@ -209,6 +210,8 @@ def compile_steps(mesh, device_memory: int, args) -> dict:
 
     with open(os.path.join(args.model, "config.json")) as f:
         ckpt_arch = arch_from_hf(json.load(f))
+    if args.enable_expert_parallel:
+        ckpt_arch = dataclasses.replace(ckpt_arch, expert_parallel=True)
     arch = runtime_arch(ckpt_arch, plan(ckpt_arch, mesh.size))
     dtype = jnp.dtype(args.dtype)
     quant = None
@@ -317,6 +320,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="compile the step for this many GPUs of the target kind")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="a mixture-of-experts model's experts split whole over those GPUs")
     p.add_argument("--skip-kernels", action="store_true")
     p.add_argument("--results-dir", default=os.environ.get("OUT") or "benchmarks/results")
     p.add_argument("--tag", default=None)
@@ -361,7 +366,11 @@ def run(args) -> None:
     if args.steps:
         result["engine_step"] = compile_steps(mesh, memory, args)
     tp = f"tp{args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else ""
-    args.tag = args.tag or "_".join(x for x in ["aot", datetime.date.today().isoformat(),
+    if args.enable_expert_parallel:
+        tp += "-ep"
+    result["model"] = os.path.basename(os.path.normpath(args.model))
+    model = None if result["model"] == "llama-3-8b" else result["model"]
+    args.tag = args.tag or "_".join(x for x in ["aot", model, datetime.date.today().isoformat(),
                                                 device.replace(" ", "-"), tp, args.quantization,
                                                 None if args.kv_cache_dtype == "auto" else f"kv-{args.kv_cache_dtype}",
                                                 "deviceless"] if x)

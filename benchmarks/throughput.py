@@ -209,6 +209,8 @@ def run(args) -> int:
 
     from jaxllm.cli import engine_config_from_args
     from jaxllm.llm import LLM
+    from jaxllm.models.base import parameter_counts
+    from jaxllm.models.registry import get_model_class
 
     config = engine_config_from_args(args)
     if args.baseline == "vllm":
@@ -230,7 +232,10 @@ def run(args) -> int:
                    "max_num_batched_tokens": config.max_num_batched_tokens,
                    "max_model_len": config.max_model_len,
                    "enable_prefix_caching": config.enable_prefix_caching,
-                   "startup_seconds": round(startup, 2)},
+                   "startup_seconds": round(startup, 2),
+                   # a mixture of experts' active ones: what a token's step computes with
+                   "parameters": parameter_counts(get_model_class(engine.arch.architecture)
+                                                  .param_specs(engine.arch), engine.arch)},
     }
     if chat is not None:
         result["workload"].update(num_turns=args.num_turns, system_len=args.system_len)
@@ -243,6 +248,10 @@ def run(args) -> int:
     our_tokens = result["jaxllm"].pop("_tokens")
     engine_max_len = engine.config.max_model_len
     print(_line("jaxllm", result["jaxllm"]))
+    counts = result["engine"]["parameters"]
+    if counts["active_per_token"] != counts["total"]:
+        print(f"parameters: {counts['total'] / 1e6:.1f}M, {counts['active_per_token'] / 1e6:.1f}M "
+              "active per token")
     if result["jaxllm"]["speculative_decoding"]:
         sd = result["jaxllm"]["speculative_decoding"]
         if sd["mean_acceptance_length"] is not None:

@@ -316,12 +316,14 @@ def test_kernels_small_grid(tmp_path, monkeypatch):
     monkeypatch.setattr(kernels, "PREFILL_VARIANTS", kernels.PREFILL_VARIANTS[:1])
     monkeypatch.setattr(kernels, "MOSAIC_DECODE_VARIANTS", kernels.MOSAIC_DECODE_VARIANTS[-1:])
     monkeypatch.setattr(kernels, "MOSAIC_PREFILL_VARIANTS", kernels.MOSAIC_PREFILL_VARIANTS[1:2])
+    # one decode and one prefill case (the rows' code is the same for each)
+    monkeypatch.setitem(kernels.GRIDS, "small", dict(decode=[(4, 256)], prefill=[32]))
     run_cli("bench", "kernels", "--grid", "small", "--iters", "1", "--heads", "8", "--kv-heads", "2",
             "--head-dim", "64", "--dtype", "bfloat16", "--results-dir", str(tmp_path), "--tag", "k",
             "--sweep")
     r = read_json(tmp_path / "k.json")
     assert r["interpret"] is True and r["peaks"]["copy_gb_s"] > 0 and r["mosaic_left_out"] is None
-    assert len(r["decode"]) == 2 and len(r["prefill"]) == 2
+    assert len(r["decode"]) == 1 and len(r["prefill"]) == 1
     for row in r["decode"]:
         for name in ("jaxllm_triton", "jaxllm_mosaic", "xla"):
             assert row[name]["gb_s"] > 0
@@ -336,6 +338,24 @@ def test_kernels_small_grid(tmp_path, monkeypatch):
         + [("mosaic", None, None, st, s) for st, s in kernels.MOSAIC_DECODE_VARIANTS])
     assert [v["kernels"] for v in sweep["prefill"]] == ["triton", "mosaic"]
     assert all(v["gb_s"] > 0 for v in sweep["decode"]) and all(v["tflop_s"] > 0 for v in sweep["prefill"])
+
+
+def test_moe_against_every_expert_and_the_dense_twin(tmp_path):
+    run_cli("bench", "moe", "--hidden-size", "64", "--num-layers", "1", "--num-heads", "2",
+            "--num-experts", "4", "--experts-per-token", "2", "--expert-size", "32",
+            "--vocab-size", "256", "--batch-sizes", "1,2", "--iters", "1", "--context", "20",
+            "--results-dir", str(tmp_path), "--tag", "m")
+    r = read_json(tmp_path / "m.json")
+    models = r["models"]
+    assert set(models) == {"moe_grouped", "moe_dense", "dense"}
+    moe, dense = models["moe_grouped"]["parameters"], models["dense"]["parameters"]
+    # the dense twin is the MoE's active parameters less its router (64 x 4 per layer) and
+    # OLMoE's q/k norms (64 each)
+    assert moe["active_per_token"] - dense["total"] == 64 * 4 + 2 * 64
+    assert moe["total"] - moe["active_per_token"] == 2 * 3 * 64 * 32  # two unused experts
+    for b in (1, 2):
+        assert all(m[f"batch_{b}_step_s"] > 0 for m in models.values())
+        assert r["ratios"][f"batch_{b}"]["dense_active_over_grouped"] > 0
 
 
 def test_aot_without_cuda_compiler_says_what_to_install():
