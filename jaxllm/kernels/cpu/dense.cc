@@ -247,33 +247,59 @@ ffi::Error GroupedImpl(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x, co
   const float* xp = x.typed_data();
   float* yp = y->typed_data();
   const int32_t* g = groups.typed_data();
+  // the used groups, then one pool pass over (group, column chunk) items: few rows per group
+  // (decode) would otherwise leave a barrier per group and idle threads at each
+  struct Group {
+    int64_t start, rows;
+    const W* w;
+    bool packed;
+  };
+  std::vector<Group> used;
   int64_t start = 0;
+  bool amx = false;
+  if constexpr (std::is_same_v<W, uint16_t>) amx = kBf16Packed && K % 32 == 0 && N % 16 == 0 && amx_on();
   for (int64_t e = 0; e < X && start < M; ++e) {
     const int64_t c = std::clamp<int64_t>(g[e], 0, M - start);
     if (c == 0) continue;
-    const W* we = w + (ix.layer * X + e) * K * N;
-    const float* xe = xp + start * K;
-    float* ye = yp + start * N;
-    if constexpr (std::is_same_v<W, uint16_t>) {
-      const bool amx = kBf16Packed && K % 32 == 0 && N % 16 == 0 && amx_on();
-      if (kBf16Packed && c >= (amx ? kBf16AmxMinRows : kBf16PackedMinRows) && K % 2 == 0 &&
-          N % 16 == 0) {
-        // AMX reads activations 16 rows at a time: the last tile's padding rows are zeros
-        std::vector<uint16_t> xb((amx ? (c + 15) / 16 * 16 : c) * K);
-        round_bf16(xe, c * K, xb.data());
-        const uint16_t* xbp = xb.data();
-        parallel_rows(pool, N, kPanel, [=](int64_t n0, int64_t n1) {
-          bf16_packed(we, xbp, c, K, N, n0, n1, ye, true, amx);
-        });
-      } else {
-        parallel_rows(pool, N, 128, [=](int64_t n0, int64_t n1) { bf16_in_out(we, xe, c, K, N, n0, n1, ye); });
-      }
-    } else {
-      parallel_rows(pool, N, 128, [=](int64_t n0, int64_t n1) { f32_in_out(we, xe, c, K, N, n0, n1, ye); });
-    }
+    bool packed = false;
+    if constexpr (std::is_same_v<W, uint16_t>)
+      packed = kBf16Packed && c >= (amx ? kBf16AmxMinRows : kBf16PackedMinRows) && K % 2 == 0 && N % 16 == 0;
+    used.push_back({start, c, w + (ix.layer * X + e) * K * N, packed});
     start += c;
   }
   zero_rows(yp, start, M, N);
+  if (used.empty()) return ffi::Error::Success();
+  // the packed path's activations, rounded to bf16 once (AMX reads 16-row tiles: a group's
+  // rows are padded to 16 with zeros)
+  std::vector<int64_t> xb_at(used.size(), 0);
+  int64_t xb_rows = 0;
+  for (size_t i = 0; i < used.size(); ++i)
+    if (used[i].packed) {
+      xb_at[i] = xb_rows;
+      xb_rows += amx ? (used[i].rows + 15) / 16 * 16 : used[i].rows;
+    }
+  std::vector<uint16_t> xb(xb_rows * K);
+  for (size_t i = 0; i < used.size(); ++i)
+    if (used[i].packed) round_bf16(xp + used[i].start * K, used[i].rows * K, xb.data() + xb_at[i] * K);
+  constexpr int64_t kChunk = 2 * kPanel;  // whole panels for the packed path, 96 columns
+  const int64_t per_group = (N + kChunk - 1) / kChunk;
+  const Group* gp = used.data();
+  const int64_t* at = xb_at.data();
+  const uint16_t* xbp = xb.data();
+  parallel_rows(pool, static_cast<int64_t>(used.size()) * per_group, 1, [=](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const Group& gr = gp[i / per_group];
+      const int64_t n0 = i % per_group * kChunk, n1 = std::min(N, n0 + kChunk);
+      const float* xe = xp + gr.start * K;
+      float* ye = yp + gr.start * N;
+      if constexpr (std::is_same_v<W, uint16_t>) {
+        if (gr.packed) bf16_packed(gr.w, xbp + at[i / per_group] * K, gr.rows, K, N, n0, n1, ye, true, amx);
+        else bf16_in_out(gr.w, xe, gr.rows, K, N, n0, n1, ye);
+      } else {
+        f32_in_out(gr.w, xe, gr.rows, K, N, n0, n1, ye);
+      }
+    }
+  });
   return ffi::Error::Success();
 }
 
