@@ -10,6 +10,11 @@ from jaxllm.models.base import Target
 from jaxllm.quantization import formats as qf
 
 
+def _stacked(name: str) -> bool:
+    """A per-layer stack: the decoder's layers or a vision tower's (Target.stack)."""
+    return name.startswith(("layers.", "vision_layers."))
+
+
 class StackedWeights:
     """Collects per-layer tensors (and the segments of fused ones) into stacked arrays."""
 
@@ -37,7 +42,7 @@ class StackedWeights:
         """Store `value` (`value.T` when the target says the file is transposed); per-layer
         targets name their parameter without the stack's "layers." prefix. A HostQuant value
         is kept quantized."""
-        name = target.name if layer is None else "layers." + target.name
+        name = target.param(layer)
         if isinstance(value, qf.HostQuant):
             if target.expert is not None:
                 raise ValueError(f"checkpoint tensor {source}: quantized mixture-of-experts "
@@ -136,7 +141,7 @@ class StackedWeights:
         by_key = {(e[1], e[0].segment): p for e, p in zip(entries, parts)}
         fused = all(e[0].segment is not None for e in entries)
         order = list(self.segments[name.split(".")[-1]]) if fused else [None]
-        layers = [None] if not name.startswith("layers.") else range(self.shapes[name][0])
+        layers = [None] if not _stacked(name) else range(self.shapes[name][0])
 
         def cat(arrays):
             return arrays[0] if len(arrays) == 1 else np.concatenate(arrays, axis=-2)
@@ -167,7 +172,7 @@ class StackedWeights:
     def _check_complete(self) -> dict[str, np.ndarray]:
         for name, shape in self.shapes.items():
             got = self.filled.get(name, set())
-            layers = [None] if not name.startswith("layers.") else range(shape[0])
+            layers = [None] if not _stacked(name) else range(shape[0])
             if name in self.experts:
                 layers = [(i, e) for i in layers for e in range(shape[1])]
             whole = {(i, None) for i in layers}
@@ -178,6 +183,6 @@ class StackedWeights:
             missing = sorted(want - got, key=lambda x: (-1 if x[0] is None else x[0], x[1] or ""))
             slot = (lambda i: f"layer {i[0]} expert {i[1]}" if isinstance(i, tuple) else f"layer {i}")
             what = ", ".join(f"{slot(i)} {s}" if s else slot(i) for i, s in missing[:5])
-            raise ValueError(f"checkpoint is missing {name} ({what}...)" if name.startswith("layers.")
+            raise ValueError(f"checkpoint is missing {name} ({what}...)" if _stacked(name)
                              else f"checkpoint is missing {name}")
         return self.arrays

@@ -188,7 +188,7 @@ def _read_weights(path: str, gguf_file: str | None, cfg_only: bool, policy: DTyp
         if found is None:
             continue
         target, layer = found
-        pname = target.name if layer is None else "layers." + target.name
+        pname = target.param(layer)
         spec = specs[pname]
         n_out, n_in = qmethods.out_in(spec.shape, spec.matrix)
         if target.segment is not None:

@@ -37,6 +37,9 @@ class ArchConfig:
     num_experts_per_tok: int = 0
     norm_topk_prob: bool = True   # the top-k router weights renormalised to sum to 1
     expert_parallel: bool = False  # runtime: experts split over the devices, not their columns
+    # a vision-language model's vision tower and projector (models/llava.py reads it), None
+    # for text-only models
+    vision: dict | None = None
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:

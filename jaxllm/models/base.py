@@ -29,24 +29,41 @@ class Target:
     expert: int | None = None
     # GGUF: one tensor holds every expert's matrix, [experts, out, in]
     all_experts: bool = False
+    # the stack a per-layer tensor goes to: the decoder's, or a vision tower's
+    stack: str = "layers"
+
+    def param(self, layer: int | None) -> str:
+        """The parameter's dotted name: a per-layer tensor's is under its stack."""
+        return self.name if layer is None else f"{self.stack}.{self.name}"
 
 
 class WeightMap:
     """A checkpoint's tensor names -> Targets: per-layer suffixes and whole-model names."""
 
     def __init__(self, layer_re: str, layer: dict[str, Target], whole: dict[str, Target],
-                 ignored_re: str | None = None):
+                 ignored_re: str | None = None, stacks: tuple[tuple[str, dict[str, Target]], ...] = (),
+                 rename=None):
+        """stacks: more per-layer tables (regex, table), e.g. a vision tower's layers;
+        rename(name): a checkpoint's name as the tables spell it (None: as it is)."""
         import re
         self._layer_re = re.compile(layer_re)
         self.layer, self.whole = layer, whole
+        self._stacks = [(re.compile(r), t) for r, t in stacks]
+        self._rename = rename
         self._ignored = re.compile(ignored_re) if ignored_re else None
         self._expert_re = re.compile(r"(.*\.experts)\.(\d+)\.(.+)")
 
     def lookup(self, name: str) -> tuple[Target, int | None] | None:
         """(target, layer or None); None for a tensor that is safe to skip. A tensor we do
         not know is an error: skipping it would run a different model."""
+        if self._rename is not None:
+            name = self._rename(name)
         if name in self.whole:
             return self.whole[name], None
+        for stack_re, table in self._stacks:
+            m = stack_re.fullmatch(name)
+            if m and m.group(2) in table:
+                return table[m.group(2)], int(m.group(1))
         m = self._layer_re.fullmatch(name)
         if m and m.group(2) in self.layer:
             return self.layer[m.group(2)], int(m.group(1))

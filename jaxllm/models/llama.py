@@ -268,10 +268,12 @@ class LlamaForCausalLM(nnx.Module):
         return jnp.asarray(rope_inv_freq(rot, cfg.rope_theta, cfg.rope_scaling)), rope_mscale(cfg.rope_scaling)
 
     def __call__(self, kv_cache: jax.Array, input_ids: jax.Array, md: AttentionMetadata,
-                 lora=None, observe=None) -> tuple[jax.Array, jax.Array]:
+                 lora=None, observe=None, mm=None) -> tuple[jax.Array, jax.Array]:
         """Returns (final-normed hidden states [T, E], new kv_cache). `lora`: the step's
         adapters (jaxllm.lora.ops.LoRAInputs), their weights scanned with the layers'.
-        `observe(site, layer, x)`, traced: sees the input x of each of PROJECTION_SITES of each layer (a traced index); calibration records it."""
+        `observe(site, layer, x)`, traced: sees the input x of each of PROJECTION_SITES of each layer (a traced index); calibration records it.
+        `mm`: (embeddings [T, E], mask [T]) put in place of the masked tokens' embeddings
+        (a vision-language model's image features)."""
         cfg, pol = self.cfg, self.policy
         T = input_ids.shape[0]
         H, K, D, tp = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.tp_size
@@ -285,6 +287,8 @@ class LlamaForCausalLM(nnx.Module):
             x = embed_from_panels(self.embed_tokens[...], input_ids).astype(pol.activation)
         else:
             x = self.embed_tokens[...][input_ids].astype(pol.activation)
+        if mm is not None:  # (embeddings [T, E], mask [T]): an image's tokens replace theirs
+            x = jnp.where(mm[1][:, None], mm[0].astype(pol.activation), x)
 
         def layer(carry, w):
             x, kv, i = carry

@@ -13,6 +13,7 @@ _MODELS = {
     "MixtralForCausalLM": ("jaxllm.models.mixtral", "MixtralForCausalLM"),
     "Qwen3MoeForCausalLM": ("jaxllm.models.qwen3_moe", "Qwen3MoeForCausalLM"),
     "OlmoeForCausalLM": ("jaxllm.models.olmoe", "OlmoeForCausalLM"),
+    "LlavaForConditionalGeneration": ("jaxllm.models.llava", "LlavaForConditionalGeneration"),
 }
 
 
