@@ -103,6 +103,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="transparent huge pages under a CPU engine's weights and KV cache "
                         "(default on)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
+    g.add_argument("--limit-mm-per-prompt", default=None, metavar="JSON",
+                   help="a vision-language model: the most images per prompt, e.g. "
+                        "'{\"image\": 2}' (default 4)")
     g.add_argument("--enable-expert-parallel", action="store_true", default=None,
                    help="a mixture-of-experts model's experts split whole over the "
                         "tensor-parallel devices (default: each expert's hidden columns)")

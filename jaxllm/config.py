@@ -32,6 +32,26 @@ def _buckets(name: str, value) -> None:
                          f"got {value!r}")
 
 
+DEFAULT_IMAGES_PER_PROMPT = 4
+
+
+def parse_mm_limit(value) -> dict:
+    """limit_mm_per_prompt: {"image": n} (a dict or its JSON), n >= 0."""
+    if value is None:
+        return {"image": DEFAULT_IMAGES_PER_PROMPT}
+    if isinstance(value, str):
+        import json
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"limit_mm_per_prompt is not valid JSON: {e}") from None
+    if (not isinstance(value, dict) or set(value) - {"image"} or not all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value.values())):
+        raise ValueError(f"limit_mm_per_prompt must be like {{\"image\": 2}} (images only, a "
+                         f"count >= 0), got {value!r}")
+    return {"image": value.get("image", DEFAULT_IMAGES_PER_PROMPT)}
+
+
 @dataclass
 class EngineConfig:
     """Everything `LLM(**kwargs)` and `jaxllm serve --flags` accept, with vLLM's names."""
@@ -92,6 +112,9 @@ class EngineConfig:
     # a mixture-of-experts model's experts split whole over the tensor-parallel devices
     # (expert parallelism) instead of each expert's hidden columns
     enable_expert_parallel: bool = False
+    # a vision-language model: the most images one prompt may carry, vLLM's dict (or its
+    # JSON), e.g. {"image": 2}; None: DEFAULT_IMAGES_PER_PROMPT
+    limit_mm_per_prompt: dict | str | None = None
     # multi-process (multi-host) runs: jax.distributed.initialize's coordinator and ranks
     distributed_coordinator: str | None = None
     num_processes: int = 1
@@ -185,6 +208,7 @@ class EngineConfig:
         if self.routing_policy not in ROUTING_POLICIES:
             raise ValueError(f"routing_policy must be one of {ROUTING_POLICIES}, "
                              f"got {self.routing_policy!r}")
+        self.limit_mm_per_prompt = parse_mm_limit(self.limit_mm_per_prompt)
         self.kv_transfer_config = KVTransferConfig.parse(self.kv_transfer_config)
         if self.kv_transfer_config is not None:
             if self.data_parallel_size < 2:

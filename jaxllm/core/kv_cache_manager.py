@@ -75,8 +75,11 @@ class KVCacheManager:
         while (len(hashes) + 1) * bs <= len(toks):
             i = len(hashes)
             parent = hashes[-1] if hashes else None
-            hashes.append(block_key(parent, tuple(toks[i * bs:(i + 1) * bs]),
-                                    request.cache_extra if i == 0 else None))
+            extra = request.cache_extra if i == 0 else None
+            if request.mm:  # an image's tokens are placeholders: its hash keys their blocks
+                images = tuple(h for off, n, h, _ in request.mm if off < (i + 1) * bs and off + n > i * bs)
+                extra = (extra, images) if images else extra
+            hashes.append(block_key(parent, tuple(toks[i * bs:(i + 1) * bs]), extra))
         return hashes
 
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:

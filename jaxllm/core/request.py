@@ -77,8 +77,11 @@ class Request:
                  seed: int, arrival_time: float | None = None, priority: int = 0,
                  cache_salt: str | None = None, lora_id: int | None = None,
                  parent_id: str | None = None,
-                 bad_word_ids: list[list[int]] | None = None):
+                 bad_word_ids: list[list[int]] | None = None, mm: list | None = None):
         self.request_id = request_id
+        # a vision-language model's images: (offset, length, hash, features [length, E]) of
+        # each, in prompt order (their tokens' places and what takes them)
+        self.mm = mm
         self.parent_id = request_id if parent_id is None else parent_id  # n > 1: the request's id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params

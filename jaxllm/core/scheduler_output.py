@@ -30,13 +30,14 @@ class NewRequestData:
     multi_token_bad_words: list[list[int]] | None = None
     num_logprobs: int = -1         # per sampled token; -1: none
     num_prompt_logprobs: int = -1  # per prompt token; -1: none
+    mm: list | None = None  # Request.mm: images' places in the prompt and their features
 
     @classmethod
     def from_request(cls, req: Request, block_ids: list[int]) -> "NewRequestData":
         return cls(req.request_id, list(req.all_token_ids), req.num_prompt_tokens, block_ids,
                    req.num_computed_tokens, req.sampling_params, req.seed, req.eos_token_id,
                    req.bad_word_ids, req.lora_id, req.stop_ids, req.banned_token_ids,
-                   req.multi_token_bad_words, req.num_logprobs, req.num_prompt_logprobs)
+                   req.multi_token_bad_words, req.num_logprobs, req.num_prompt_logprobs, req.mm)
 
 
 @dataclass

@@ -137,6 +137,12 @@ def build_engine(config: EngineConfig, lora_modules=(), model_names=()) -> Engin
                         int4_calibration=config.int4_calibration,
                         expert_parallel=config.enable_expert_parallel)
     load_seconds = time.perf_counter() - load_start
+    if loaded.arch.vision is not None:
+        for bad, what in ((config.speculative_config is not None, "speculative_config"),
+                          (config.num_processes > 1, "num_processes > 1")):
+            if bad:
+                raise ValueError(f"{what} is not supported with a vision-language model "
+                                 f"({loaded.arch.architecture}) yet")
     kv_dtype = kvq.cache_dtype(config.kv_cache_dtype, policy.weight, policy.activation,
                                loaded.quant is not None, platform, config.attention_backend)
     model_max = loaded.arch.max_position_embeddings

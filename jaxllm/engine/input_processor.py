@@ -21,12 +21,25 @@ class EngineRequest:
     bad_word_ids: list[list[int]] | None = None  # SamplingParams.bad_words, tokenized
     grammar: object | None = None  # SamplingParams.structured_outputs, validated (a GrammarSpec)
     lora_request: "LoRARequest | None" = None
+    # images: (offset, length, hash, pixels [C, H, W]) of each, in prompt order
+    mm: list | None = None
+
+
+@dataclass(frozen=True)
+class MultiModalInputs:
+    """What a vision-language model takes images with: its placeholder token, the tokens an
+    image becomes, its preprocessing, and the most images one prompt may have."""
+    image_token_id: int
+    tokens_per_image: int
+    processor: object  # jaxllm.multimodal.ImageProcessor
+    limit: int
 
 
 class InputProcessor:
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, structured=None,
-                 speculative: bool = False):
+                 speculative: bool = False, mm: MultiModalInputs | None = None):
         self.tokenizer = tokenizer
+        self.mm = mm  # None: a text-only model
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.structured = structured  # StructuredOutputManager: validates constraints
@@ -74,8 +87,12 @@ class InputProcessor:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         text, ids, salt = self.tokenize(prompt)
+        images = self._images(prompt)
         if params.truncate_prompt_tokens is not None:
+            if images:
+                raise ValueError("truncate_prompt_tokens cannot cut a prompt with images")
             ids = ids[-check_truncation(params.truncate_prompt_tokens, self.max_model_len):]
+        ids, mm = self._place_images(ids, images)
         self.check(ids, params)
         if self.tokenizer is None and params.stop_strings:
             # stop strings are matched in the detokenized text, which there is none of
@@ -91,7 +108,53 @@ class InputProcessor:
                                  "speculative_config: this engine speculates, and verified "
                                  "proposals are not masked by a grammar")
             grammar = self.structured.prepare(params.structured_outputs)
-        return EngineRequest(text, ids, params, salt, bad, grammar, lora_request)
+        return EngineRequest(text, ids, params, salt, bad, grammar, lora_request, mm)
+
+    def _images(self, prompt) -> list:
+        """The prompt's images (vLLM's {"multi_modal_data": {"image": one or a list}})."""
+        data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        if not data:
+            return []
+        if not isinstance(data, dict) or set(data) - {"image"}:
+            raise ValueError(f"multi_modal_data takes 'image' only, got {sorted(data) if isinstance(data, dict) else type(data).__name__}")
+        if self.mm is None:
+            raise ValueError("multi_modal_data: this model is text-only; it takes no images")
+        images = data["image"]
+        images = list(images) if isinstance(images, (list, tuple)) else [images]
+        if len(images) > self.mm.limit:
+            raise ValueError(f"multi_modal_data has {len(images)} images; at most "
+                             f"{self.mm.limit} per prompt (limit_mm_per_prompt)")
+        return images
+
+    def _place_images(self, ids: list[int], images: list) -> tuple[list[int], list | None]:
+        """Each image's placeholder token widened to the image's tokens (or, in token ids
+        given already widened, each run of them taken as one image), and its pixels."""
+        from jaxllm.multimodal import image_hash
+        if self.mm is None:
+            return ids, None
+        tok, per = self.mm.image_token_id, self.mm.tokens_per_image
+        at = [i for i, t in enumerate(ids) if t == tok]
+        if not images and not at:
+            return ids, None
+        n = len(images)
+        if len(at) == n:
+            out, offsets = [], []
+            for i, t in enumerate(ids):
+                if t == tok:
+                    offsets.append(len(out))
+                    out.extend([tok] * per)
+                else:
+                    out.append(t)
+        elif len(at) == n * per and all(at[j * per + per - 1] - at[j * per] == per - 1 for j in range(n)):
+            out, offsets = ids, [at[j * per] for j in range(n)]
+        else:
+            raise ValueError(f"the prompt has {len(at)} image placeholder tokens (id {tok}) for {n} "
+                             f"image(s): one per image (or {per} per image, already widened)")
+        mm = []
+        for off, image in zip(offsets, images):
+            pixels = self.mm.processor(image)
+            mm.append((off, per, image_hash(pixels), pixels))
+        return out, mm
 
     def check(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:

@@ -69,8 +69,18 @@ class LLMEngine:
             self.tokenizer, self.arch.vocab_size, self.eos_token_id,
             allow_additional_properties=config.structured_outputs_allow_additional_properties)
         self.grammars = RequestGrammars(self.structured, self.scheduler.finish_request)
+        self.encoder, mm = None, None
+        if self.arch.vision is not None:  # a vision-language model: its images' inputs
+            from jaxllm.engine.input_processor import MultiModalInputs
+            from jaxllm.multimodal import ImageProcessor
+            from jaxllm.runner.encoder import ImageEncoder
+            limit = config.limit_mm_per_prompt["image"]
+            self.encoder = ImageEncoder(self.runner.graphdef, self.runner.state, max(1, limit))
+            v = self.arch.vision
+            mm = MultiModalInputs(v["image_token_id"], v["tokens_per_image"],
+                                  ImageProcessor.for_checkpoint(parts.model_path, v), limit)
         self.inputs = InputProcessor(self.tokenizer, self.arch.vocab_size, config.max_model_len,
-                                     self.structured, speculative=self.speculator is not None)
+                                     self.structured, speculative=self.speculator is not None, mm=mm)
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler)
         self.engine_stats = EngineStats(self.scheduler, self.kv_manager, config.block_size,
                                         config.max_model_len, self.lora)
@@ -162,6 +172,10 @@ class LLMEngine:
         taken = [c for c in child_ids if c in self.outputs.seqs or c in self.scheduler.requests]
         if taken:
             raise ValueError(f"request_id {request_id!r} collides with running sequence {taken[0]!r}")
+        mm = None
+        if req_in.mm:  # its images' features: encoded now, or found by their hashes
+            feats = self.encoder.encode([p for *_, p in req_in.mm], [h for _, _, h, _ in req_in.mm])
+            mm = [(off, n, h, f) for (off, n, h, _), f in zip(req_in.mm, feats)]
         reqs = []
         for i, child_id in enumerate(child_ids):
             if params.seed is not None:
@@ -170,7 +184,8 @@ class LLMEngine:
                 seed = int(self._rng.integers(0, 2**32))
             req = Request(child_id, req_in.prompt_token_ids, params, self.eos_token_id, seed,
                           arrival, priority=priority, cache_salt=req_in.cache_salt,
-                          lora_id=lora_id, parent_id=request_id, bad_word_ids=req_in.bad_word_ids)
+                          lora_id=lora_id, parent_id=request_id, bad_word_ids=req_in.bad_word_ids,
+                          mm=mm)
             reqs.append(req)
         # a failed grammar raises ValueError here; one still compiling waits outside the
         # scheduler while steps go on

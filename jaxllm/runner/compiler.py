@@ -70,8 +70,9 @@ class StepCompiler:
     def __init__(self, programs: StepPrograms, shapes: StepShapes, vocab: int, block_size: int,
                  max_blocks_per_seq: int, q_tile: Callable[[int], int], max_num_seqs: int,
                  num_spec: int = 0, num_passes: int = 1, replicated=None,
-                 options: dict | None = None):
+                 options: dict | None = None, mm_width: int = 0):
         self.programs = programs
+        self.mm_width = mm_width  # a vision-language model's image features per token
         self.shapes = shapes
         self.vocab = vocab
         self.block_size = block_size
@@ -98,7 +99,7 @@ class StepCompiler:
     def abstract_inputs(self, T: int, S: int):
         """A (T, S) step's inputs after the device state (abstract_step_inputs)."""
         return abstract_step_inputs(T, S, self.block_size, self.max_blocks_per_seq,
-                                    self.q_tile(T), self.num_spec)
+                                    self.q_tile(T), self.num_spec, self.mm_width)
 
     def sample_key(self, T: int, S: int):
         """Which compiled sampling a (T, S) step uses: one per seqs bucket, and with

@@ -48,6 +48,7 @@ class InputBatch:
         self.bad_words: list[list[list[int]] | None] = [None] * max_num_seqs  # multi-token only
         self.rows_with_bad_words: set[int] = set()
         self.lora_id = np.zeros(max_num_seqs, np.int64)  # the row's adapter key; 0: none
+        self.mm: dict[int, list] = {}  # row -> its images (Request.mm), rows with any only
         self.row_of: dict[str, int] = {}
         # which request holds a row: a step's results for an earlier holder (finished while the
         # step ran, its id perhaps reused since) must not land in it
@@ -61,9 +62,12 @@ class InputBatch:
 
     def add_request(self, new: NewRequestData) -> int:
         """A row for a request the scheduler sends in full; returns the row."""
-        return self._add(new.req_id, new.token_ids, new.num_prompt_tokens, new.block_ids,
-                         new.sampling_params, new.seed, new.num_logprobs,
-                         new.num_prompt_logprobs, new.multi_token_bad_words, new.lora_id)
+        row = self._add(new.req_id, new.token_ids, new.num_prompt_tokens, new.block_ids,
+                        new.sampling_params, new.seed, new.num_logprobs,
+                        new.num_prompt_logprobs, new.multi_token_bad_words, new.lora_id)
+        if new.mm:
+            self.mm[row] = new.mm
+        return row
 
     def _add(self, req_id: str, token_ids: list[int], num_prompt_tokens: int,
              block_ids: list[int], params, seed: int, num_logprobs: int,
@@ -102,6 +106,7 @@ class InputBatch:
             return None
         self.bad_words[row] = None
         self.rows_with_bad_words.discard(row)
+        self.mm.pop(row, None)
         self.lora_id[row] = 0
         for name, (_, fill) in COLUMNS.items():
             self.cols[name][row] = fill

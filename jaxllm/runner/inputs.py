@@ -31,7 +31,8 @@ _COLUMN_FIELDS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_
 class InputPreparer:
     def __init__(self, batch: InputBatch, shapes: StepShapes, block_size: int,
                  q_tile: Callable[[int], int], max_num_seqs: int, max_model_len: int,
-                 num_spec: int = 0, spec_probabilistic: bool = False, lora=None):
+                 num_spec: int = 0, spec_probabilistic: bool = False, lora=None,
+                 mm_width: int = 0):
         self.batch = batch
         self.shapes = shapes
         self.block_size = block_size
@@ -41,6 +42,9 @@ class InputPreparer:
         self.num_spec = num_spec
         self.spec_probabilistic = spec_probabilistic
         self.lora = lora  # jaxllm.lora.slots.LoRASlots, or None
+        # a vision-language model: every step also carries image features [T, mm_width] and
+        # the mask of the tokens they replace (the step's last input)
+        self.mm_width = mm_width
 
     def prepare(self, out: SchedulerOutput, pick_shape: Callable[[int, int], tuple[int, int]]):
         """Padded numpy inputs of one step, vectorised over persistent-batch rows, in the
@@ -83,11 +87,29 @@ class InputPreparer:
         inputs = (input_ids, md, logits_idx, smd)
         if self.num_spec:
             inputs += (self.verify_metadata(spec, req_ids, n, nd, md, smd, input_ids, T, S),)
+        if self.mm_width:
+            inputs += (self.image_features(rows, starts, n, md, T),)
         c = batch.cols
         step = DispatchedStep(req_ids, rows, batch.serial[rows].copy(), starts, n, final,
                               c["num_logprobs"][rows].copy(), c["num_prompt_logprobs"][rows].copy(),
                               batch.num_prompt_tokens[rows].copy(), nd)
         return step, (T, S), inputs
+
+    def image_features(self, rows: np.ndarray, starts: np.ndarray, n: np.ndarray, md, T: int):
+        """(features [T, width], mask [T]): the rows of each image's features whose tokens
+        this step computes, at those tokens' places (prompt chunks cut images anywhere)."""
+        embeds = np.zeros((T, self.mm_width), np.float32)
+        mask = np.zeros(T, np.bool_)
+        if self.batch.mm:  # (few rows have images: no loop over all rows)
+            for i in np.nonzero(np.isin(rows, list(self.batch.mm)))[0].tolist():
+                s, e = int(starts[i]), int(starts[i] + n[i])
+                for off, length, _, feats in self.batch.mm[int(rows[i])]:
+                    lo, hi = max(s, off), min(e, off + length)
+                    if lo < hi:
+                        at = int(md.query_start_loc[i]) + lo - s
+                        embeds[at:at + hi - lo] = feats[lo - off:hi - off]
+                        mask[at:at + hi - lo] = True
+        return embeds, mask
 
     def token_slots(self, rows: np.ndarray, md: AttentionMetadata, T: int):
         """Each token's adapter slot (0: none), the step's adapters brought in first.

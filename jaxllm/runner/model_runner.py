@@ -60,6 +60,8 @@ class ModelRunner:
         self.state = loaded.state
         self.dtype = dtype
         self.vocab = loaded.arch.vocab_size
+        # a vision-language model: its steps carry image features as wide as its embeddings
+        self.mm_width = loaded.arch.hidden_size if loaded.arch.vision else 0
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.max_model_len = max_model_len
@@ -113,7 +115,7 @@ class ModelRunner:
                                          self.replicated, num_scheduler_steps, lora_args)
         programs = StepPrograms(
             forward=build_forward(self.graphdef, self.vocab, state_sharding, self.kv_sharding,
-                                  self.replicated, lora_args, num_spec_tokens),
+                                  self.replicated, lora_args, num_spec_tokens, bool(self.mm_width)),
             sample=build_sample(self.replicated, num_spec_tokens, spec_probabilistic),
             passes=passes, state=abstract(self.state), kv_cache=abstract(self.kv_cache),
             sampler_state=abstract(self.sampler_state),
@@ -122,10 +124,10 @@ class ModelRunner:
         self.compiler = StepCompiler(programs, self.shapes, self.vocab, block_size,
                                      self.max_blocks_per_seq, self.q_tile, max_num_seqs,
                                      num_spec_tokens, num_scheduler_steps, self.replicated,
-                                     step_compiler_options(platform))
+                                     step_compiler_options(platform), self.mm_width)
         self.inputs = InputPreparer(self.batch, self.shapes, block_size, self.q_tile,
                                     max_num_seqs, max_model_len, num_spec_tokens,
-                                    spec_probabilistic, lora)
+                                    spec_probabilistic, lora, self.mm_width)
         self._no_mask = jax.device_put(np.bool_(False), self.replicated)
         self._set_rows = build_set_rows(self.replicated)
 
@@ -292,7 +294,7 @@ class ModelRunner:
     def run_passes(self, shape, inputs, num: np.ndarray, token_slots=None) -> PassesOutput:
         """Launch a multi-step call of shape (T, S): num[i] decode passes of row i."""
         exe = self.compiler.passes(shape)
-        input_ids, md, logits_idx, smd = self._args(inputs)
+        input_ids, md, logits_idx, smd = self._args(inputs)[:4]  # (decodes: no images)
         adapters = () if token_slots is None else ((self.lora.weights, self._args(token_slots)),)
         res, self.kv_cache, self.sampler_state = exe(
             self.state, self.kv_cache, self.sampler_state, input_ids, md, logits_idx,

@@ -29,7 +29,7 @@ def bitmask_words(vocab: int) -> int:
 
 
 def build_forward(graphdef, vocab: int, state_sharding, kv_sharding, replicated, lora=None,
-                  num_spec: int = 0):
+                  num_spec: int = 0, multimodal: bool = False):
     """The step's forward pass: the model over the flat batch, the logits of the rows that
     sample, and prompt logprobs when asked for. The cache is donated. A token the previous
     step sampled and the host does not know yet (async scheduling: -1) is taken from the
@@ -40,9 +40,14 @@ def build_forward(graphdef, vocab: int, state_sharding, kv_sharding, replicated,
       and the proposals a draft model left on the device (SpecState: -2 - j in the input ids
       is proposal j); it then also returns what verification needs: the raw logits at the
       verified positions, the proposals they score, and the step's input ids as resolved.
-    The two are not combined (EngineConfig refuses it)."""
+    The two are not combined (EngineConfig refuses it). A vision-language model's step
+    (`multimodal`) takes (image features [T, E], their tokens' mask [T]) right after the
+    sampling metadata (InputPreparer.image_features); it is not combined with speculation."""
 
     def forward(state, kv_cache, sampler_state, input_ids, md, logits_indices, smd, *extra):
+        mm = None
+        if multimodal:
+            mm, *extra = extra
         vmd, spec_state = extra if num_spec else (None, None)
         adapters = () if num_spec else extra
         model = nnx.merge(graphdef, state)
@@ -56,7 +61,7 @@ def build_forward(graphdef, vocab: int, state_sharding, kv_sharding, replicated,
         if adapters:
             (weights, token_slots), = adapters
             lora_in = LoRAInputs.of(weights, token_slots, lora[1], lora[2])
-        hidden, kv_cache = model(kv_cache, input_ids, md, lora=lora_in)
+        hidden, kv_cache = model(kv_cache, input_ids, md, lora=lora_in, mm=mm)
         logits = model.compute_logits(hidden[logits_indices], jnp.sum(md.seq_lens > 0))
         T, k = hidden.shape[0], min(MAX_LOGPROBS, vocab)
         zeros = (jnp.zeros(T, jnp.float32), jnp.zeros(T, jnp.int32),
@@ -78,6 +83,8 @@ def build_forward(graphdef, vocab: int, state_sharding, kv_sharding, replicated,
 
     rep = replicated
     extra = (rep, rep) if num_spec else () if lora is None else ((lora[0], rep),)
+    if multimodal:
+        extra = ((rep, rep), *extra)
     outs = (rep, rep, kv_sharding) + ((rep,) if num_spec else ())
     return jax.jit(forward, donate_argnums=(1,),
                    in_shardings=(state_sharding, kv_sharding, rep, rep, rep, rep, rep, *extra),
@@ -199,7 +206,7 @@ def step_compiler_options(platform: str) -> dict | None:
 
 
 def abstract_step_inputs(T: int, S: int, block_size: int, max_blocks_per_seq: int, qt: int,
-                         num_spec: int = 0):
+                         num_spec: int = 0, mm_width: int = 0):
     """Shapes of a (T tokens, S sequences) step's inputs after the state, cache and sampler
     state: input ids, attention metadata, logits indices, sampling metadata (and with
     speculative decoding the verified positions)."""
@@ -217,6 +224,8 @@ def abstract_step_inputs(T: int, S: int, block_size: int, max_blocks_per_seq: in
     smd = SamplingMetadata(**{name: sds((S,), t) for name, t in per_seq.items()},
                            banned=sds((S, MAX_BANNED), i32), next_ids=sds((T,), i32),
                            **{name: sds((), b) for name in flags})
+    if mm_width:  # (not with speculation)
+        return sds((T,), i32), md, sds((S,), i32), smd, (sds((T, mm_width), f32), sds((T,), b))
     if not num_spec:
         return sds((T,), i32), md, sds((S,), i32), smd
     vmd = abstract_verify_metadata(num_verify_rows(T, S, num_spec), S)

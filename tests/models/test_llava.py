@@ -141,3 +141,84 @@ def test_images_that_do_not_decode():
     Image.new("L", (5, 3), 7).save(buf, format="PNG")
     image = load_image("data:image/png;base64," + base64.b64encode(buf.getvalue()).decode())
     assert image.mode == "RGB" and image.size == (5, 3)
+
+
+@pytest.fixture(scope="module")
+def llava_llm(tiny_llava):
+    from jaxllm import LLM
+    path, _ = tiny_llava
+    # chunks of 8 tokens: an image's tokens can fall in two steps
+    return LLM(path, dtype="float32", skip_tokenizer_init=True, max_num_seqs=4, max_num_batched_tokens=8,
+               max_model_len=128, block_size=4, warmup=False, token_buckets=[8], seq_buckets=[4],
+               limit_mm_per_prompt={"image": 2})
+
+
+def _image(seed, size=(40, 30)):
+    from PIL import Image
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 255, (*size, 3), dtype=np.uint8))
+
+
+def _greedy(llm, prompt, images, n=6):
+    from jaxllm import SamplingParams
+    out = llm.generate([{"prompt_token_ids": prompt, "multi_modal_data": {"image": images}}],
+                       SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)[0]
+    return out
+
+
+def test_engine_greedy_with_images_equals_hf(tiny_llava, llava_llm):
+    """Two images, the first cut across two prefill chunks; the engine's greedy tokens equal
+    HF's generate on the same pixels."""
+    import torch
+
+    from jaxllm.multimodal import ImageProcessor
+    path, hf = tiny_llava
+    prompt = [1, 5, 6, 7, 9, 11, IMAGE_TOKEN, 8, 9, IMAGE_TOKEN, 12]
+    images = [_image(0), _image(1, (30, 60))]
+    out = _greedy(llava_llm, prompt, images)
+    px = np.stack([ImageProcessor.for_checkpoint(path, {"image_size": 28})(im) for im in images])
+    ids = [1, 5, 6, 7, 9, 11, *[IMAGE_TOKEN] * 4, 8, 9, *[IMAGE_TOKEN] * 4, 12]
+    assert out.prompt_token_ids == ids
+    with torch.no_grad():
+        ref = hf.generate(input_ids=torch.tensor([ids]), pixel_values=torch.tensor(px), max_new_tokens=6,
+                          do_sample=False, min_new_tokens=6)[0, len(ids):].tolist()
+    assert list(out.outputs[0].token_ids) == ref
+
+
+def test_images_key_the_prefix_cache_and_are_encoded_once(llava_llm):
+    """The same image again: its blocks are prefix-cache hits and it is not encoded again;
+    another image after the same tokens: only the blocks before it are hits, and the output
+    follows the new image."""
+    enc = llava_llm.llm_engine.encoder
+    prompt = [1, 5, 6, 7, 9, 11, 13, 14, IMAGE_TOKEN, 8, 9, 10, 15, 16, 17, 18, 19]
+    first = _greedy(llava_llm, prompt, _image(5))
+    encoded = enc.images_encoded
+    again = _greedy(llava_llm, prompt, _image(5))
+    assert enc.images_encoded == encoded  # found by its hash
+    # 20 prompt tokens: four full blocks of 4 (the fifth holds the last token, computed anew)
+    assert again.num_cached_tokens == 16
+    assert list(again.outputs[0].token_ids) == list(first.outputs[0].token_ids)
+    other = _greedy(llava_llm, prompt, _image(6))
+    assert enc.images_encoded == encoded + 1
+    assert other.num_cached_tokens == 8  # the two blocks before the image
+    assert list(other.outputs[0].token_ids) != list(first.outputs[0].token_ids)
+
+
+def test_bad_image_inputs_are_refused(llava_llm, tiny_llm):
+    from jaxllm import SamplingParams
+    p = SamplingParams(max_tokens=2)
+    cases = [
+        ({"prompt_token_ids": [1, IMAGE_TOKEN, 5], "multi_modal_data": {"image": [_image(1)] * 3}},
+         "3 images; at most 2 per prompt"),
+        ({"prompt_token_ids": [1, IMAGE_TOKEN, 5], "multi_modal_data": {"image": [_image(1)] * 2}},
+         "1 image placeholder tokens .* for 2 image"),
+        ({"prompt_token_ids": [1, IMAGE_TOKEN, 5]}, "1 image placeholder tokens .* for 0 image"),
+        ({"prompt_token_ids": [1, IMAGE_TOKEN, 5], "multi_modal_data": {"image": b"junk"}},
+         "image does not decode"),
+        ({"prompt_token_ids": [1, IMAGE_TOKEN, 5], "multi_modal_data": {"video": [1]}},
+         "takes 'image' only"),
+    ]
+    for prompt, match in cases:
+        with pytest.raises(ValueError, match=match):
+            llava_llm.generate([prompt], p, use_tqdm=False)
+    with pytest.raises(ValueError, match="text-only"):
+        tiny_llm.generate([{"prompt": "hi", "multi_modal_data": {"image": _image(1)}}], p, use_tqdm=False)
