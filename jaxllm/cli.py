@@ -263,7 +263,8 @@ def cmd_serve(args) -> int:
                       max_prompt_tokens=args.max_prompt_tokens,
                       chat_context_policy=args.chat_context_policy,
                       chat_trim_step=args.chat_trim_step,
-                      web_ui=not args.disable_web_ui)
+                      web_ui=not args.disable_web_ui,
+                      allowed_media_domains=args.allowed_media_domains)
 
 
 def cmd_convert(args) -> int:
@@ -341,6 +342,9 @@ def main(argv=None) -> int:
                    help="a conversation longer than its budget (or than the model's length "
                         "less max_tokens): refused with a 400, or trimmed oldest turn first, "
                         "keeping system messages, the latest user turn and the last tool calls")
+    p.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
+                   help="image URLs of these hosts are fetched by the server (default: none; "
+                        "data: URLs always work)")
     p.add_argument("--disable-web-ui", action="store_true",
                    help="serve no chat page at / and no dashboard at /dashboard")
     p.add_argument("--chat-trim-step", type=float, default=0.25, metavar="FRACTION",

@@ -65,6 +65,9 @@ class ServerConfig:
     chat_trim_step: float = 0.25
     # the chat page at / and the live dashboard at /dashboard (--disable-web-ui turns them off)
     web_ui: bool = True
+    # hosts whose image URLs the server fetches (--allowed-media-domains): fetching is a
+    # request from the server's network, so none unless listed; data: URLs need no fetch
+    allowed_media_domains: list = field(default_factory=list)
 
 
 class _WebFiles(StaticFiles):
@@ -315,18 +318,42 @@ class OpenAIServer:
                            param="messages", code="context_length_exceeded")
 
     async def processed(self, body, text: str | None, ids: list[int], max_tokens: int | None,
-                        stream: bool) -> EngineRequest:
+                        stream: bool, images: list | None = None) -> EngineRequest:
         """The prompt with the body's sampling parameters, validated by the engine: streams
-        get DELTA outputs, the others one FINAL_ONLY output."""
+        get DELTA outputs, the others one FINAL_ONLY output. `images`: decoded, in order."""
         try:
             params = body.to_sampling_params(self.max_tokens(len(ids), max_tokens))
             params.output_kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
             prompt = {"prompt": text, "prompt_token_ids": ids}
+            if images:
+                prompt["multi_modal_data"] = {"image": images}
             if body.cache_salt:
                 prompt["cache_salt"] = body.cache_salt
             return await self.engine.process(prompt, params, self.lora_of(body.model))
         except ValueError as e:
             raise bad_request(e) from None
+
+    async def load_images(self, urls: list[str]) -> list:
+        """Chat image parts' URLs as images: data URLs decoded, http(s) ones fetched when
+        their host is allowed (ValueErrors say why not)."""
+        from urllib.parse import urlparse
+
+        from jaxllm.multimodal import load_image
+        out = []
+        for url in urls:
+            if url.startswith(("http://", "https://")):
+                host = urlparse(url).hostname
+                if host not in self.cfg.allowed_media_domains:
+                    raise ValueError(f"messages: image_url {url[:80]!r} is a remote URL; this server "
+                                     "fetches only hosts listed by --allowed-media-domains (send the "
+                                     "image as a data: URL)")
+                data = await asyncio.to_thread(_fetch, url)
+                out.append(await asyncio.to_thread(load_image, data))
+            elif url.startswith("data:"):
+                out.append(await asyncio.to_thread(load_image, url))
+            else:
+                raise ValueError("messages: image_url must be a data: URL or an http(s) URL")
+        return out
 
     def run(self, rid: str, request: EngineRequest, priority: int) -> Outputs:
         """Submit now (admission control counts it at once); iterate for the outputs."""
@@ -385,3 +412,19 @@ class OpenAIServer:
 
     async def prometheus(self, request: Request):
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+MAX_IMAGE_BYTES = 20 * 2**20
+
+
+def _fetch(url: str) -> bytes:
+    """An allowed image URL's bytes (bounded in time and size)."""
+    import urllib.request
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            data = r.read(MAX_IMAGE_BYTES + 1)
+    except OSError as e:
+        raise ValueError(f"messages: image_url could not be fetched: {e}") from None
+    if len(data) > MAX_IMAGE_BYTES:
+        raise ValueError(f"messages: image_url is larger than {MAX_IMAGE_BYTES >> 20} MiB")
+    return data

@@ -63,7 +63,8 @@ async def create(server, request: Request):
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     try:
         tools = _Tools(server, body)
-        messages = [m.plain() for m in body.messages]
+        images: list[str] = []
+        messages = [m.plain(engine.image_token, images) for m in body.messages]
         template_tools = [t.template_dict() for t in body.tools] if body.tools else None
 
         def render(msgs):
@@ -71,6 +72,10 @@ async def create(server, request: Request):
                                       body.chat_template, template_tools)
         trimmed = None
         budget = server.chat_budget(body, max_tokens)
+        if images and (budget is not None or body.use_beam_search):
+            raise ValueError("messages: images do not combine with "
+                             + ("beam search" if body.use_beam_search else "chat trimming budgets") + " yet")
+        decoded = await server.load_images(images) if images else None
         if budget is not None:
             trimmed = await context_budget.trim(messages, render, budget,
                                                    server.chat_trim_step_tokens(body),
@@ -90,7 +95,7 @@ async def create(server, request: Request):
         server.admit(body)
         return _report_trim(await beam.respond(server, request, rid, [checked], body, chat=True),
                             trimmed)
-    req = await server.processed(body, None, ids, max_tokens, body.stream)
+    req = await server.processed(body, None, ids, max_tokens, body.stream, decoded)
     server.admit(body)
     gen = server.run(rid, req, body.priority)
     if body.stream:

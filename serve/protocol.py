@@ -215,9 +215,15 @@ class CompletionRequest(_Sampling):
         return SamplingParams(max_tokens=max_tokens, logprobs=self.logprobs, **self.sampling_kwargs())
 
 
+class ImageURL(_Model):
+    url: str
+    detail: str | None = None
+
+
 class ContentPart(_Model):
     type: str
     text: str | None = None
+    image_url: ImageURL | None = None
 
 
 class FunctionCall(_Model):
@@ -248,9 +254,10 @@ class ChatMessage(_Model):
             raise ValueError(f"a {role} message needs content (a string or a list of parts)")
         return content
 
-    def plain(self) -> dict:
+    def plain(self, image_token: str | None = None, images: list | None = None) -> dict:
         """The message as chat templates take it (tool calls' arguments as objects, as HF
-        templates expect)."""
+        templates expect). Image parts become `image_token` (a vision-language model's
+        placeholder; None: images are refused) in the text, their URLs appended to `images`."""
         if self.tool_calls and self.role != "assistant":
             raise ValueError("messages: only assistant messages carry tool_calls")
         if self.role == "tool" and self.tool_call_id is None:
@@ -258,10 +265,21 @@ class ChatMessage(_Model):
         content = self.content
         if isinstance(content, list):
             kinds = {p.type for p in content}
-            if kinds - {"text"}:
-                raise ValueError(f"messages: content parts of type {sorted(kinds - {'text'})} "
+            if kinds - {"text", "image_url"}:
+                raise ValueError(f"messages: content parts of type {sorted(kinds - {'text', 'image_url'})} "
                                  "are not supported")
-            content = "".join(p.text or "" for p in content)
+            parts = []
+            for p in content:
+                if p.type == "text":
+                    parts.append(p.text or "")
+                    continue
+                if image_token is None or images is None:
+                    raise ValueError("messages: this model is text-only; it takes no image_url parts")
+                if p.image_url is None:
+                    raise ValueError("messages: an image_url part needs image_url.url")
+                images.append(p.image_url.url)
+                parts.append(image_token)
+            content = "".join(parts)
         msg = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
         if self.name is not None:
             msg["name"] = self.name

@@ -78,7 +78,7 @@ def run_server(engine_config: EngineConfig, host: str, port: int, served_model_n
                lora_modules: list[str] | None = None,
                enable_runtime_lora_updating: bool = False, max_prompt_tokens: int | None = None,
                chat_context_policy: str = "reject", chat_trim_step: float = 0.25,
-               web_ui: bool = True) -> int:
+               web_ui: bool = True, allowed_media_domains: list[str] | None = None) -> int:
     """enable_runtime_lora_updating: POST /v1/load_lora_adapter and /v1/unload_lora_adapter (also
     JAXLLM_ALLOW_RUNTIME_LORA_UPDATING, as vLLM's variable)."""
     if engine_config.process_id != 0:
@@ -103,7 +103,8 @@ def run_server(engine_config: EngineConfig, host: str, port: int, served_model_n
         name, api_key or envs.api_key(), max_queue_len, log_interval,
         tool_call_parser=tool_call_parser, lora_modules=loras, allow_runtime_lora_updating=runtime_lora,
         max_prompt_tokens=max_prompt_tokens, chat_context_policy=chat_context_policy,
-        chat_trim_step=chat_trim_step, web_ui=web_ui))
+        chat_trim_step=chat_trim_step, web_ui=web_ui,
+        allowed_media_domains=list(allowed_media_domains or ())))
     config = uvicorn.Config(server.app(), host=host, port=port, log_level="info",
                             timeout_graceful_shutdown=shutdown_timeout, lifespan="on")
     logger.info("serving %s on http://%s:%d", name, host, port)

@@ -98,6 +98,13 @@ class EngineFront:
             await asyncio.wrap_future(self.structured.compile(req.grammar))
         return req
 
+    @property
+    def image_token(self) -> str | None:
+        """A vision-language model's image placeholder as text (what a chat's image part
+        becomes before the template), None for a model that takes no images."""
+        mm, tok = self.inputs.mm, self.tokenizer
+        return None if mm is None or tok is None else tok.convert_ids_to_tokens(mm.image_token_id)
+
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return await self._in_pool(lambda: self.tokenizer.encode(
             text, add_special_tokens=add_special_tokens))

@@ -104,6 +104,8 @@ BAD_INPUTS = [
      "messages.0.content"),
     ("null system content", CHAT, {"messages": [{"role": "system", "content": None}] + MSG}, 400,
      "messages.0.content"),
+    ("an image to a text-only model", CHAT, {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}, 400, "messages"),
     ("tool result without its call", CHAT,
      {"messages": MSG + [{"role": "tool", "content": "42"}]}, 400, "messages"),
     ("beam search with a constraint", CMPL,
