@@ -403,6 +403,8 @@ def main(argv=None) -> int:
             ("kernels", "kernels", "paged-attention kernels against measured peaks", False),
             ("moe", "moe", "a mixture-of-experts decode step: grouped experts against every "
              "expert on every token and a dense model of the same active parameters", False),
+            ("vision", "vision", "time to first token with an image: first time against cached",
+             False),
             ("dots", "dots", "the dtype forms of a projection's dot on this machine", False),
             ("detok", "detok", "the detokenizer's cost per token along a long stream", False),
             ("quality", "quality", "perplexity and greedy agreement per weight format", False),

@@ -358,6 +358,18 @@ def test_moe_against_every_expert_and_the_dense_twin(tmp_path):
         assert r["ratios"][f"batch_{b}"]["dense_active_over_grouped"] > 0
 
 
+def test_vision_ttft_first_and_cached(tmp_path):
+    run_cli("bench", "vision", "--vision-hidden", "32", "--vision-layers", "2", "--vision-heads", "2",
+            "--vision-intermediate", "64", "--image-size", "28", "--patch-size", "14",
+            "--text-hidden", "64", "--text-layers", "1", "--text-heads", "2", "--text-kv-heads", "1",
+            "--text-intermediate", "64", "--prompt-tokens", "40", "--iters", "1",
+            "--results-dir", str(tmp_path), "--tag", "v")
+    r = read_json(tmp_path / "v.json")
+    assert r["model"]["tokens_per_image"] == 4 and r["workload"]["prompt_tokens"] == 44
+    assert r["cached_prompt_tokens"] == 32  # two blocks of 16 (the last token is computed)
+    assert r["ttft_first_s"]["n"] == r["ttft_cached_s"]["n"] == 1 and r["first_over_cached"] > 0
+
+
 def test_aot_without_cuda_compiler_says_what_to_install():
     """`bench aot` needs JAX's CUDA plugin (never installed by the project's own setup)."""
     import importlib.util
