@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-DATASETS = ("random", "sharegpt", "prefix-chat", "copy")
+DATASETS = ("random", "sharegpt", "prefix-chat", "copy", "image")
 
 
 @dataclass
@@ -19,6 +19,9 @@ class Sample:
     prompt_token_ids: list[int]
     output_len: int
     stop_at_eos: bool = False  # the request ends at its EOS (else it runs output_len tokens)
+    # a chat request with an image (the "image" dataset): its text and the image's data URL
+    text: str | None = None
+    image: str | None = None
 
 
 class TokenSource:
@@ -175,3 +178,25 @@ def copy_dataset(src: TokenSource, tokenizer, num: int, output_len: int | None =
         n_out = output_len or int(1.5 * len(tokenizer.encode(para)))
         out.append(Sample(list(ids), n_out, stop_at_eos=True))
     return out
+
+
+_WORDS = ("the a picture shows what where which colour shape object left right top bottom "
+          "describe count tell me about this image scene detail small large near far").split()
+
+
+def image_dataset(num: int, words: int, output_len: int, image_size: int, unique: int,
+                  seed: int) -> list[Sample]:
+    """Chat requests of `words` words of text and one PNG of image_size x image_size, drawn
+    from `unique` distinct images (repeats are encoder-cache and prefix-cache hits)."""
+    import base64
+    import io
+
+    from PIL import Image
+    rng = np.random.default_rng(seed)
+    urls = []
+    for _ in range(max(1, unique)):
+        buf = io.BytesIO()
+        Image.fromarray(rng.integers(0, 255, (image_size, image_size, 3), dtype=np.uint8)).save(buf, "PNG")
+        urls.append("data:image/png;base64," + base64.b64encode(buf.getvalue()).decode())
+    return [Sample([], output_len, text=" ".join(rng.choice(_WORDS, words)), image=urls[i % len(urls)])
+            for i in range(num)]

@@ -37,6 +37,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "(exponential) a conversation waits before each of its later turns")
     w.add_argument("--num-tenants", type=int, default=1, help="prefix-chat: tenants, each with "
                    "its own system prompt shared by its conversations")
+    w.add_argument("--image-size", type=int, default=448, help="image: the images' side")
+    w.add_argument("--num-unique-images", type=int, default=None,
+                   help="image: distinct images among the prompts (default: one per prompt)")
     w.add_argument("--tokenizer", default=None, help="HF directory or GGUF file: vocabulary "
                    "for random prompts and the encoder for --dataset-path")
     w.add_argument("--vocab-size", type=int, default=32000, help="without --tokenizer")
@@ -77,6 +80,11 @@ def build_workload(args) -> list[list[datasets.Sample]]:
         vocab = len(tok)
     avoid = set(getattr(tok, "all_special_ids", []) or []) if tok is not None else set()
     src = datasets.TokenSource(vocab, avoid, args.seed)
+    if args.dataset_name == "image":  # chat requests, each with one image
+        samples = datasets.image_dataset(args.num_prompts, args.random_input_len, args.random_output_len,
+                                         args.image_size, args.num_unique_images or args.num_prompts,
+                                         args.seed)
+        return [[s] for s in samples]
     if args.dataset_name == "random":
         samples = datasets.random_dataset(src, args.num_prompts, args.random_input_len,
                                           args.random_output_len, args.random_range_ratio)
@@ -108,6 +116,11 @@ async def one_request(client, url: str, model: str, sample: datasets.Sample, ign
                       headers: dict) -> Outcome:
     body = {"model": model, "prompt": sample.prompt_token_ids, "max_tokens": sample.output_len,
             "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+    if sample.image is not None:  # a chat request with an image, to the chat endpoint
+        body.pop("prompt")
+        body["messages"] = [{"role": "user", "content": [
+            {"type": "text", "text": sample.text}, {"type": "image_url", "image_url": {"url": sample.image}}]}]
+        url = url.rsplit("/v1/", 1)[0] + "/v1/chat/completions"
     if ignore_eos:
         body["ignore_eos"] = True
     start = time.perf_counter()
@@ -275,6 +288,9 @@ def run(args) -> int:
                            "random_output_len": args.random_output_len,
                            "request_rate": args.request_rate, "seed": args.seed},
               "runs": [{k: v for k, v in r.items() if not k.startswith("_")} for r in runs]}
+    if args.dataset_name == "image":  # (random_input_len: the text's words)
+        result["workload"].update(image_size=args.image_size,
+                                  num_unique_images=args.num_unique_images or args.num_prompts)
     if args.save_result or args.plot:
         path = write_result(args, result, "serve")
         if args.plot:

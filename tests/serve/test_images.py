@@ -121,3 +121,21 @@ def test_too_many_images_is_a_400(llava_server):
     with pytest.raises(openai.BadRequestError, match="at most 4 per prompt"):
         s["client"].chat.completions.create(model=s["model"], messages=[{"role": "user", "content": content}],
                                             max_tokens=2)
+
+
+def test_bench_serve_image_workload(llava_server, tmp_path):
+    """`jaxllm bench serve --dataset-name image`: chat requests with a 448x448 image each,
+    two distinct images among four prompts (the repeats' image blocks are cache hits)."""
+    import json
+
+    from jaxllm.cli import main
+    base = str(llava_server["client"].base_url).rstrip("/").removesuffix("/v1")
+    assert main(["bench", "serve", "--base-url", base, "--dataset-name", "image", "--num-prompts", "4",
+                 "--num-unique-images", "2", "--random-input-len", "5", "--random-output-len", "3",
+                 "--max-concurrency", "1", "--save-result", "--results-dir", str(tmp_path),
+                 "--tag", "img"]) == 0
+    r = json.loads((tmp_path / "img.json").read_text())
+    run = r["runs"][0]
+    assert run["successful_requests"] == 4 and run["failed_requests"] == 0
+    assert run["cached_token_fraction"] > 0
+    assert r["workload"]["image_size"] == 448 and r["workload"]["num_unique_images"] == 2
