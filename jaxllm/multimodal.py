@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+MAX_ASPECT = 32  # longest side over shortest an image may have
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
@@ -41,7 +42,7 @@ def load_image(source):
         try:
             image = Image.open(io.BytesIO(data))
             image.load()
-        except (UnidentifiedImageError, OSError, ValueError) as e:
+        except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
             raise ValueError(f"image does not decode: {e}") from None
     if image.width < 1 or image.height < 1:
         raise ValueError("image is empty")
@@ -89,6 +90,9 @@ class ImageProcessor:
         if self.do_resize:
             w, h = image.size
             short, long = (w, h) if w <= h else (h, w)
+            if long > MAX_ASPECT * short:  # (resized whole, a thin strip would be huge)
+                raise ValueError(f"image of {w}x{h} pixels is too elongated: at most "
+                                 f"{MAX_ASPECT}:1")
             new_long = int(self.shortest_edge * long / short)
             size = (self.shortest_edge, new_long) if w <= h else (new_long, self.shortest_edge)
             image = image.resize(size, resample=self.resample)

@@ -347,7 +347,7 @@ class OpenAIServer:
                     raise ValueError(f"messages: image_url {url[:80]!r} is a remote URL; this server "
                                      "fetches only hosts listed by --allowed-media-domains (send the "
                                      "image as a data: URL)")
-                data = await asyncio.to_thread(_fetch, url)
+                data = await asyncio.to_thread(_fetch, url, tuple(self.cfg.allowed_media_domains))
                 out.append(await asyncio.to_thread(load_image, data))
             elif url.startswith("data:"):
                 out.append(await asyncio.to_thread(load_image, url))
@@ -417,13 +417,25 @@ class OpenAIServer:
 MAX_IMAGE_BYTES = 20 * 2**20
 
 
-def _fetch(url: str) -> bytes:
-    """An allowed image URL's bytes (bounded in time and size)."""
+def _fetch(url: str, allowed: tuple[str, ...]) -> bytes:
+    """An allowed image URL's bytes (bounded in time and size). A redirect must stay on an
+    allowed host over http(s): otherwise an allowed host could point the server anywhere."""
+    import http.client
     import urllib.request
+    from urllib.parse import urlparse
+
+    class Guarded(urllib.request.HTTPRedirectHandler):
+        def redirect_request(self, req, fp, code, msg, headers, newurl):
+            where = urlparse(newurl)
+            if where.scheme not in ("http", "https") or where.hostname not in allowed:
+                raise ValueError(f"messages: image_url redirects to {newurl[:80]!r}, which "
+                                 "--allowed-media-domains does not list")
+            return super().redirect_request(req, fp, code, msg, headers, newurl)
+
     try:
-        with urllib.request.urlopen(url, timeout=10) as r:
+        with urllib.request.build_opener(Guarded).open(url, timeout=10) as r:
             data = r.read(MAX_IMAGE_BYTES + 1)
-    except OSError as e:
+    except (OSError, http.client.HTTPException) as e:
         raise ValueError(f"messages: image_url could not be fetched: {e}") from None
     if len(data) > MAX_IMAGE_BYTES:
         raise ValueError(f"messages: image_url is larger than {MAX_IMAGE_BYTES >> 20} MiB")

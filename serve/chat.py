@@ -75,6 +75,8 @@ async def create(server, request: Request):
         if images and (budget is not None or body.use_beam_search):
             raise ValueError("messages: images do not combine with "
                              + ("beam search" if body.use_beam_search else "chat trimming budgets") + " yet")
+        if images:
+            engine.inputs.check_image_count(len(images))  # before any is fetched or decoded
         decoded = await server.load_images(images) if images else None
         if budget is not None:
             trimmed = await context_budget.trim(messages, render, budget,
@@ -85,6 +87,8 @@ async def create(server, request: Request):
                 server.metrics.on_trimmed(server.model_name(body), trimmed.dropped_tokens)
         else:
             ids = await render(messages)
+            if images:  # each image as the tokens it becomes, before the length is checked
+                ids = engine.inputs.widen_images(ids)
             server.check_prompt_budget(len(ids))
         ids = body.truncated(ids, engine.max_model_len)
     except ValueError as e:

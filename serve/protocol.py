@@ -273,10 +273,17 @@ class ChatMessage(_Model):
                 if p.type == "text":
                     parts.append(p.text or "")
                     continue
-                if image_token is None or images is None:
-                    raise ValueError("messages: this model is text-only; it takes no image_url parts")
+                if images is None:
+                    raise ValueError("messages: image_url parts are not accepted here")
+                if image_token is None:
+                    raise ValueError("messages: this server takes no images (a text-only model, "
+                                     "or data-parallel replicas, which do not carry images yet)")
                 if p.image_url is None:
                     raise ValueError("messages: an image_url part needs image_url.url")
+                if p.image_url.detail not in (None, "auto"):
+                    raise ValueError(f"messages: image_url.detail {p.image_url.detail!r} is not "
+                                     "supported (images are resized as the model's processor does: "
+                                     "'auto' only)")
                 images.append(p.image_url.url)
                 parts.append(image_token)
             content = "".join(parts)

@@ -121,10 +121,22 @@ class InputProcessor:
             raise ValueError("multi_modal_data: this model is text-only; it takes no images")
         images = data["image"]
         images = list(images) if isinstance(images, (list, tuple)) else [images]
-        if len(images) > self.mm.limit:
-            raise ValueError(f"multi_modal_data has {len(images)} images; at most "
-                             f"{self.mm.limit} per prompt (limit_mm_per_prompt)")
+        self.check_image_count(len(images))
         return images
+
+    def check_image_count(self, n: int) -> None:
+        if self.mm is not None and n > self.mm.limit:
+            raise ValueError(f"the prompt has {n} images; at most {self.mm.limit} per prompt "
+                             "(limit_mm_per_prompt)")
+
+    def widen_images(self, ids: list[int]) -> list[int]:
+        """Each image placeholder token as the tokens its image becomes (what the engine
+        counts against max_model_len)."""
+        tok, per = self.mm.image_token_id, self.mm.tokens_per_image
+        out = []
+        for t in ids:
+            out.extend([t] * per if t == tok else (t,))
+        return out
 
     def _place_images(self, ids: list[int], images: list) -> tuple[list[int], list | None]:
         """Each image's placeholder token widened to the image's tokens (or, in token ids

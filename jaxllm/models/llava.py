@@ -26,6 +26,26 @@ from jaxllm.params import ParamSpec
 TEXT_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                       "qwen2": "Qwen2ForCausalLM"}
 
+# transformers' defaults for what a LLaVA config may leave out (LlamaConfig, MistralConfig,
+# Qwen2Config, CLIPVisionConfig): read from the classes once, kept here so that reading a
+# config needs no transformers import on the loader's thread
+_TEXT_DEFAULTS = {
+    "llama": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                  num_attention_heads=32, hidden_act="silu", max_position_embeddings=2048,
+                  rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False),
+    "mistral": dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                    num_attention_heads=32, num_key_value_heads=8, hidden_act="silu",
+                    max_position_embeddings=131072, rms_norm_eps=1e-6, rope_theta=10000.0,
+                    sliding_window=4096, tie_word_embeddings=False),
+    "qwen2": dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
+                  num_attention_heads=32, num_key_value_heads=32, hidden_act="silu",
+                  max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=10000.0,
+                  tie_word_embeddings=False),
+}
+_CLIP_DEFAULTS = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+                      num_attention_heads=12, num_channels=3, image_size=224, patch_size=32,
+                      hidden_act="quick_gelu", layer_norm_eps=1e-5)
+
 _RENAMES = [(re.compile(p), r) for p, r in (
     (r"^(?:model\.)?language_model\.(?:model\.)?(?=layers\.|embed_tokens\.|norm\.)", "model."),
     (r"^language_model\.lm_head\.", "lm_head."),
@@ -102,13 +122,16 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         if kind not in TEXT_ARCHITECTURES:
             raise ValueError(f"LlavaForConditionalGeneration: a {kind!r} language model is not "
                              f"supported; supported: {', '.join(TEXT_ARCHITECTURES)}")
+        # llava-hf's files list only what differs from the configs' defaults: fill them in
+        text = {**_TEXT_DEFAULTS[kind], **text}
         text["architectures"] = [TEXT_ARCHITECTURES[kind]]
         arch = ArchConfig.from_hf(text)
-        vc = cfg.get("vision_config") or {}
+        vc = dict(cfg.get("vision_config") or {})
         if vc.get("model_type", "clip_vision_model") != "clip_vision_model":
             raise ValueError(f"LlavaForConditionalGeneration: a {vc.get('model_type')!r} vision tower "
                              "is not supported; supported: clip_vision_model")
-        layers = vc.get("num_hidden_layers", 24)
+        vc = {**_CLIP_DEFAULTS, **vc}
+        layers = vc["num_hidden_layers"]
         feature = cfg.get("vision_feature_layer", -2)
         feature = tuple(feature) if isinstance(feature, (list, tuple)) else (feature,)
         # hidden_states[i]: the embeddings (0) or the output of layer i; negative from the end
@@ -120,19 +143,20 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         if select not in ("default", "full"):
             raise ValueError(f"vision_feature_select_strategy {select!r} is not supported; "
                              "supported: default, full")
-        image, patch = vc.get("image_size", 224), vc.get("patch_size", 32)
+        image, patch = vc["image_size"], vc["patch_size"]
         per_image = (image // patch) ** 2 + (select == "full")
-        act, proj_act = vc.get("hidden_act", "quick_gelu"), cfg.get("projector_hidden_act", "gelu")
+        act, proj_act = vc["hidden_act"], cfg.get("projector_hidden_act", "gelu")
         _act(act, "vision hidden_act")
         _act(proj_act, "projector_hidden_act")
         arch.architecture = "LlavaForConditionalGeneration"
         arch.vision = dict(
-            hidden=vc.get("hidden_size", 768), intermediate=vc.get("intermediate_size", 3072),
-            layers=layers, heads=vc.get("num_attention_heads", 12), image_size=image,
-            patch_size=patch, channels=vc.get("num_channels", 3), eps=vc.get("layer_norm_eps", 1e-5),
+            hidden=vc["hidden_size"], intermediate=vc["intermediate_size"],
+            layers=layers, heads=vc["num_attention_heads"], image_size=image,
+            patch_size=patch, channels=vc["num_channels"], eps=vc["layer_norm_eps"],
             act=act, feature_layers=list(feature), select=select, projector_act=proj_act,
             projector_bias=cfg.get("multimodal_projector_bias", True),
-            image_token_id=cfg.get("image_token_index", cfg.get("image_token_id")),
+            # (transformers' default when the config gives none)
+            image_token_id=cfg.get("image_token_index", cfg.get("image_token_id", 32000)),
             tokens_per_image=per_image)
         return arch
 

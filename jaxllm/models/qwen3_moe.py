@@ -29,4 +29,4 @@ class Qwen3MoeForCausalLM(MoeForCausalLM):
             raise ValueError("Qwen3MoeForCausalLM: dense MLP layers among the MoE ones (mlp_only_layers "
                              f"{cfg.get('mlp_only_layers')}, decoder_sparse_step "
                              f"{cfg.get('decoder_sparse_step')}) are not supported")
-        return moe_arch(cfg, "num_experts", normalize=bool(cfg.get("norm_topk_prob", True)), qk_norm=True)
+        return moe_arch(cfg, "num_experts", normalize=bool(cfg.get("norm_topk_prob", False)), qk_norm=True)

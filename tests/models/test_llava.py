@@ -137,6 +137,10 @@ def test_images_that_do_not_decode():
         load_image("data:image/png;base64,@@@")
     with pytest.raises(ValueError, match="not a data URL"):
         load_image("https://example.com/cat.png")
+    bomb = io.BytesIO()  # a small file that decodes to more pixels than PIL allows
+    Image.new("1", (20000, 20000)).save(bomb, format="PNG")
+    with pytest.raises(ValueError, match="does not decode"):
+        load_image(bomb.getvalue())
     buf = io.BytesIO()
     Image.new("L", (5, 3), 7).save(buf, format="PNG")
     image = load_image("data:image/png;base64," + base64.b64encode(buf.getvalue()).decode())
@@ -222,3 +226,21 @@ def test_bad_image_inputs_are_refused(llava_llm, tiny_llm):
             llava_llm.generate([prompt], p, use_tqdm=False)
     with pytest.raises(ValueError, match="text-only"):
         tiny_llm.generate([{"prompt": "hi", "multi_modal_data": {"image": _image(1)}}], p, use_tqdm=False)
+
+
+def test_llava_hf_configs_list_only_what_differs():
+    """llava-hf's config.json gives sparse text and vision configs; transformers' defaults
+    fill in the rest (a Llama-2-7B language model, CLIP ViT-L/14 at 336 pixels)."""
+    from jaxllm.models.registry import arch_from_hf
+    cfg = {"architectures": ["LlavaForConditionalGeneration"], "image_token_index": 32000,
+           "projector_hidden_act": "gelu", "vision_feature_layer": -2,
+           "vision_feature_select_strategy": "default",
+           "text_config": {"architectures": ["LlamaForCausalLM"], "max_position_embeddings": 4096,
+                           "model_type": "llama", "rms_norm_eps": 1e-05, "vocab_size": 32064},
+           "vision_config": {"hidden_size": 1024, "image_size": 336, "intermediate_size": 4096,
+                             "model_type": "clip_vision_model", "num_attention_heads": 16,
+                             "num_hidden_layers": 24, "patch_size": 14, "projection_dim": 768}}
+    arch = arch_from_hf(cfg)
+    assert (arch.hidden_size, arch.num_layers, arch.num_heads, arch.intermediate_size) == (4096, 32, 32, 11008)
+    assert arch.vocab_size == 32064 and arch.vision["tokens_per_image"] == 576
+    assert arch.vision["layers"] == 24 and arch.vision["feature_layers"] == [23]

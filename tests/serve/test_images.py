@@ -41,7 +41,16 @@ def llava_server(tmp_path_factory, tokenizer_dir):
     # an http server on this machine for the allowed-host case
     pngs = tmp_path_factory.mktemp("pngs")
     (pngs / "cat.png").write_bytes(_png(3))
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(pngs))
+
+    class Files(http.server.SimpleHTTPRequestHandler):
+        def do_GET(self):
+            if self.path == "/elsewhere.png":  # an allowed host sending the server elsewhere
+                self.send_response(302)
+                self.send_header("Location", "http://169.254.169.254/latest/meta-data")
+                self.end_headers()
+                return
+            super().do_GET()
+    handler = functools.partial(Files, directory=str(pngs))
     files = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=files.serve_forever, daemon=True).start()
     proc, base, _ = start_server([str(d), "--dtype", "float32", *SERVER_ENGINE,
@@ -98,21 +107,42 @@ def test_chat_with_an_image_equals_hf(llava_server):
     assert again.choices[0].message.content == r.choices[0].message.content
 
 
-def test_an_allowed_host_is_fetched(llava_server):
+def test_an_allowed_host_is_fetched_and_may_not_redirect_elsewhere(llava_server):
     s = llava_server
     fetched = _chat(s, s["files"] + "/cat.png")
     inline = _chat(s, _url(_png(3)))
     assert fetched.choices[0].message.content == inline.choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match="redirects to .*169.254.169.254"):
+        _chat(s, s["files"] + "/elsewhere.png")
+
+
+def test_without_max_tokens_the_image_tokens_count(llava_server):
+    """The room left for output is counted with each image's four tokens, not its one
+    placeholder."""
+    s = llava_server
+    content = [{"type": "text", "text": "Hi"}, {"type": "image_url", "image_url": {"url": _url(_png(4))}}]
+    r = s["client"].chat.completions.create(model=s["model"], messages=[{"role": "user", "content": content}],
+                                            temperature=0)
+    assert r.usage.prompt_tokens + r.usage.completion_tokens <= 256
 
 
 @pytest.mark.parametrize("url,match", [
     ("https://example.com/cat.png", "allowed-media-domains"),
     ("data:image/png;base64," + base64.b64encode(b"not a png").decode(), "does not decode"),
     ("ftp://example.com/cat.png", "data: URL or an http"),
+    (_url(_png(0, (4, 300))), "too elongated"),
 ])
 def test_bad_images_are_400s(llava_server, url, match):
     with pytest.raises(openai.BadRequestError, match=match):
         _chat(llava_server, url)
+
+
+def test_image_detail_other_than_auto_is_a_400(llava_server):
+    s = llava_server
+    content = [{"type": "image_url", "image_url": {"url": _url(_png(1)), "detail": "high"}}]
+    with pytest.raises(openai.BadRequestError, match="detail"):
+        s["client"].chat.completions.create(model=s["model"], messages=[{"role": "user", "content": content}],
+                                            max_tokens=2)
 
 
 def test_too_many_images_is_a_400(llava_server):
