@@ -6,6 +6,7 @@ the object store would hand it), with a failed and a mismatched transfer falling
 computing the prompt; then `jaxllm serve --kv-transfer-config` with a prefill replica and a
 decode replica on Ray, driven over HTTP."""
 import asyncio
+import gc
 import json
 
 import httpx
@@ -28,8 +29,9 @@ def reference(peaked_model):
     return [(o.outputs[0].token_ids, o.outputs[0].text) for o in outs]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="class")
 def pair(peaked_model):
+    """(Class-scoped: its two engines are gone before the served pair below starts its own.)"""
     from jaxllm.config import EngineConfig
     from jaxllm.distributed.replica import Replica
     producer = Replica(EngineConfig(peaked_model, **SMALL_ENGINE), 0, None)
@@ -37,6 +39,8 @@ def pair(peaked_model):
     yield producer, consumer
     producer.shutdown()
     consumer.shutdown()
+    del producer, consumer
+    gc.collect()
 
 
 async def _value(x):
@@ -62,55 +66,56 @@ async def _decode(consumer, rid, prompt, kv):
 _decode.failures = 0
 
 
-def test_moved_blocks_give_one_engines_outputs(pair, reference):
-    from jaxllm.distributed.replica_set import prefill_request
-    producer, consumer = pair
+class TestInProcessPair:
+    def test_moved_blocks_give_one_engines_outputs(self, pair, reference):
+        from jaxllm.distributed.replica_set import prefill_request
+        producer, consumer = pair
 
-    async def run():
-        for k, (prompt, (want_ids, _)) in enumerate(zip(PROMPTS, reference)):
-            before = dict(consumer.kv)
-            req = producer.engine.engine.process_inputs(prompt)
-            summary, payload = await producer.prefill(f"p{k}", prefill_request(req))
-            bs = payload["block_size"]
-            assert payload["num_blocks"] == len(req.prompt_token_ids) // bs
-            assert summary["nbytes"] == payload["nbytes"] > 0 and "values" not in summary
-            out, _ = await _decode(consumer, f"d{k}", prompt, [_value(payload)])
-            assert list(out.outputs[0].token_ids) == list(want_ids)
-            # the moved blocks were the consumer's prefix-cache hits: only the rest ran there
-            usable = (len(req.prompt_token_ids) - 1) // bs
-            assert out.num_cached_tokens == usable * bs
-            assert consumer.kv["kv_transfer_received_bytes"] - before["kv_transfer_received_bytes"] \
-                == payload["nbytes"]
-            # blocks shared with the previous prompts were cached already: not written again
-            written = consumer.kv["kv_transfer_imported_blocks"] - before["kv_transfer_imported_blocks"]
-            assert 0 < written <= payload["num_blocks"]
-    asyncio.run(run())
-    assert producer.kv["kv_transfer_sent_bytes"] == consumer.kv["kv_transfer_received_bytes"]
-    assert consumer.kv["kv_transfer_failures"] == 0
-
-
-def test_a_failed_or_mismatched_transfer_falls_back_to_computing_the_prompt(pair, reference, caplog):
-    from jaxllm.distributed.replica_set import prefill_request
-    producer, consumer = pair
-    prompt, (want_ids, _) = "A new prompt nobody cached: " + PROMPTS[2], reference[2]
-
-    async def run():
-        failures = consumer.kv["kv_transfer_failures"]
-        out, _ = await _decode(consumer, "lost", prompt, [_fails()])
-        assert consumer.kv["kv_transfer_failures"] == failures + 1
-        assert out.num_cached_tokens == 0 and len(out.outputs[0].token_ids) == MAX_TOKENS
-        # blocks of another layout (a wrong block size) are refused, loudly
-        req = producer.engine.engine.process_inputs(PROMPTS[1])
-        _, payload = await producer.prefill("p-odd", prefill_request(req))
-        odd = {**payload, "block_size": payload["block_size"] * 2}
-        out, _ = await _decode(consumer, "odd", PROMPTS[1], [_value(odd)])
-        assert consumer.kv["kv_transfer_failures"] == failures + 2
-        assert list(out.outputs[0].token_ids) == list(reference[1][0])
-        return want_ids
-    with caplog.at_level("ERROR", logger="jaxllm"):
+        async def run():
+            for k, (prompt, (want_ids, _)) in enumerate(zip(PROMPTS, reference)):
+                before = dict(consumer.kv)
+                req = producer.engine.engine.process_inputs(prompt)
+                summary, payload = await producer.prefill(f"p{k}", prefill_request(req))
+                bs = payload["block_size"]
+                assert payload["num_blocks"] == len(req.prompt_token_ids) // bs
+                assert summary["nbytes"] == payload["nbytes"] > 0 and "values" not in summary
+                out, _ = await _decode(consumer, f"d{k}", prompt, [_value(payload)])
+                assert list(out.outputs[0].token_ids) == list(want_ids)
+                # the moved blocks were the consumer's prefix-cache hits: only the rest ran there
+                usable = (len(req.prompt_token_ids) - 1) // bs
+                assert out.num_cached_tokens == usable * bs
+                assert consumer.kv["kv_transfer_received_bytes"] - before["kv_transfer_received_bytes"] \
+                    == payload["nbytes"]
+                # blocks shared with the previous prompts were cached already: not written again
+                written = consumer.kv["kv_transfer_imported_blocks"] - before["kv_transfer_imported_blocks"]
+                assert 0 < written <= payload["num_blocks"]
         asyncio.run(run())
-    assert sum("KV transfer" in r.getMessage() and "computed here instead" in r.getMessage()
-               for r in caplog.records) == 2
+        assert producer.kv["kv_transfer_sent_bytes"] == consumer.kv["kv_transfer_received_bytes"]
+        assert consumer.kv["kv_transfer_failures"] == 0
+
+
+    def test_a_failed_or_mismatched_transfer_falls_back_to_computing_the_prompt(self, pair, reference, caplog):
+        from jaxllm.distributed.replica_set import prefill_request
+        producer, consumer = pair
+        prompt, (want_ids, _) = "A new prompt nobody cached: " + PROMPTS[2], reference[2]
+
+        async def run():
+            failures = consumer.kv["kv_transfer_failures"]
+            out, _ = await _decode(consumer, "lost", prompt, [_fails()])
+            assert consumer.kv["kv_transfer_failures"] == failures + 1
+            assert out.num_cached_tokens == 0 and len(out.outputs[0].token_ids) == MAX_TOKENS
+            # blocks of another layout (a wrong block size) are refused, loudly
+            req = producer.engine.engine.process_inputs(PROMPTS[1])
+            _, payload = await producer.prefill("p-odd", prefill_request(req))
+            odd = {**payload, "block_size": payload["block_size"] * 2}
+            out, _ = await _decode(consumer, "odd", PROMPTS[1], [_value(odd)])
+            assert consumer.kv["kv_transfer_failures"] == failures + 2
+            assert list(out.outputs[0].token_ids) == list(reference[1][0])
+            return want_ids
+        with caplog.at_level("ERROR", logger="jaxllm"):
+            asyncio.run(run())
+        assert sum("KV transfer" in r.getMessage() and "computed here instead" in r.getMessage()
+                   for r in caplog.records) == 2
 
 
 @pytest.fixture(scope="module")
