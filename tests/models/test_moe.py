@@ -44,11 +44,12 @@ def test_logits_match_hf(moe_checkpoints, variant, backend):
     np.testing.assert_allclose(unrolled, ours, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
 
-def test_greedy_generation_matches_hf(moe_checkpoints):
+@pytest.mark.parametrize("variant", sorted(MOE_VARIANTS))
+def test_greedy_generation_matches_hf(moe_checkpoints, variant):
     import torch
 
     from jaxllm import LLM, SamplingParams
-    path, hf = moe_checkpoints["qwen3_moe"]
+    path, hf = moe_checkpoints[variant]
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, hf.config.vocab_size, size=n).tolist() for n in (7, 19, 30)]
     llm = LLM(path, dtype="float32", skip_tokenizer_init=True, **SMALL_ENGINE)
@@ -150,7 +151,7 @@ def test_grouped_matmul_of_quantized_experts(backend):
     np.testing.assert_allclose(got, _reference(x, dequantized, sizes), rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("method", ["int8", "fp8"])
+@pytest.mark.parametrize("method", ["int8", "int4", "fp8"])
 def test_quantized_experts(moe_checkpoints, method):
     """Online quantization reaches the experts (their codes are stacks [L, X, N, K]); the CPU
     kernel and ragged_dot agree on them, and the logits stay near the float model's."""
@@ -160,13 +161,15 @@ def test_quantized_experts(moe_checkpoints, method):
     for backend in ("cpu", "xla"):
         loaded = load_model(path, jnp.float32, load_tokenizer=False, quantization=method,
                             matmul_backend=backend)
-        assert loaded.state["layers"]["experts_gate_up"]["q"][...].shape == (2, 6, 64, 64)
+        # [layers, experts, out, in] codes (int4: two to a byte)
+        assert loaded.state["layers"]["experts_gate_up"]["q"][...].shape == (2, 6, 64, 32 if method == "int4" else 64)
         got[backend] = all_logits(loaded, ids)
     ref = _hf_logits(hf, ids)
     scale = np.abs(ref).max()
     np.testing.assert_allclose(got["cpu"], got["xla"], atol=2e-3 * scale)
     rel = np.abs(got["cpu"] - ref).max() / scale
-    # 8-bit weights (fp8: 3 mantissa bits, and its activations too) against float ones
+    # 8-bit weights (fp8: 3 mantissa bits, and its activations too; int4: 4 bits in groups of
+    # 32) against float ones
     assert 1e-6 < rel < (0.02 if method == "int8" else 0.15), f"{method}: max relative error {rel:.2e}"
 
 
