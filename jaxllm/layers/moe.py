@@ -158,8 +158,8 @@ def moe_block(h: jax.Array, logits: jax.Array, gate_up, down, *, k: int, normali
         y = moe_local(h, logits, gate_up, down, k=k, normalize=normalize, policy=policy, real=real,
                       impl=impl)
         return y.astype(policy.activation)
-    if isinstance(gate_up, (QWeight, ExpertStack)):
-        raise ValueError("quantized experts are not supported with tensor parallelism")
+    if isinstance(gate_up, (QWeight, ExpertStack)):  # (refused at load: MoeForCausalLM)
+        raise ValueError("quantized or CPU-kernel experts run on one device only")
     from jax.sharding import PartitionSpec as P
 
     from jaxllm.parallel import TP

@@ -106,6 +106,10 @@ class MoeForCausalLM(LlamaForCausalLM):
 
     def __init__(self, cfg: ArchConfig, *args, **kwargs):
         super().__init__(cfg, *args, **kwargs)
+        if (self.mesh is not None and self.mesh.size > 1 and self.quant is not None
+                and any(self.quant.get("layers." + n) for n in EXPERT_PARAMS)):
+            raise ValueError("quantization of a mixture of experts' experts is not supported with "
+                             "tensor_parallel_size > 1 yet; run it unquantized or on one device")
         # the CPU kernel reads float experts in place (layers/moe.py)
         self.grouped_kernel = self.matmul_backend == "cpu" and jnp.dtype(self.policy.weight) in (
             jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))

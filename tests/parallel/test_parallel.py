@@ -190,3 +190,26 @@ def test_two_processes_over_loopback(tiny_llama, tiny_llm, tmp_path):
     logs = [p.communicate(timeout=600)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], "\n".join(l[-2000:] for l in logs)
     assert json.loads(out.read_text()) == want
+
+
+def test_quantized_experts_with_tensor_parallelism_are_refused_at_load(tmp_path):
+    """Refused when the model is built, naming the option, not when a step is traced."""
+    import textwrap
+
+    from conftest import make_tiny_checkpoint
+    make_tiny_checkpoint(tmp_path, "mixtral")
+    code = textwrap.dedent(f"""
+        import os
+        os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+        import jax.numpy as jnp
+        from jaxllm.loader import load_model
+        from jaxllm.parallel import make_mesh
+        try:
+            load_model({str(tmp_path)!r}, jnp.float32, load_tokenizer=False, quantization="int8",
+                       mesh=make_mesh(2))
+        except ValueError as e:
+            print("REFUSED", e)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert "REFUSED" in out.stdout and "tensor_parallel_size > 1" in out.stdout, out.stderr[-2000:]
