@@ -84,6 +84,9 @@ if want tests; then
 fi
 want kernels && step "kernel benchmark" python3 -m jaxllm.cli bench kernels --grid "$KGRID" \
   --sweep --results-dir "$RESULTS" --tag "kernels_${TAG}"
+# an int8 cache: the Mosaic kernels' dequantising stage against Triton's scales in the kernel
+want kernels && step "kernel benchmark, int8 cache" python3 -m jaxllm.cli bench kernels \
+  --grid "$KGRID" --kv-cache-dtype int8 --results-dir "$RESULTS" --tag "kernels_int8_${TAG}"
 want latency && step "latency" python3 -m jaxllm.cli bench latency "${ENGINE[@]}" \
   --input-len "$IN_LEN" --output-len "$OUT_LEN" --batch-size "$BATCH" --num-iters 3 \
   --results-dir "$RESULTS" --tag "latency_${TAG}"

@@ -36,6 +36,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"],
+                   help="int8 / fp8: the cache quantized (a scale per token and head), the "
+                   "queries in --dtype; bytes read count the values and the scales")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--sweep", action="store_true",
                    help="also time our kernels' tile variants (keys per step, warps, splits) "
@@ -49,6 +52,7 @@ def _case(batch: int, ctx: int, q_len: int, args, dtype, on_gpu: bool, seed: int
     shuffled blocks of a cache big enough for all of them (one layer)."""
     from jaxllm.layers.attention_metadata import attention_metadata
     from jaxllm.layers.attention_metadata import table_width
+    from jaxllm.quantization import kv as kvq
     from pallas_kernels.ragged_paged_attention import q_tile
 
     bs = args.block_size
@@ -68,6 +72,9 @@ def _case(batch: int, ctx: int, q_len: int, args, dtype, on_gpu: bool, seed: int
     key = jax.random.key(seed)
     cache = jax.random.normal(key, (1, 2, args.kv_heads, num_blocks * bs, args.head_dim), dtype)
     q = jax.random.normal(key, (T, args.heads, args.head_dim), dtype)
+    store = kvq.storage_dtype(args.kv_cache_dtype)
+    if store is not None:
+        cache = kvq.QuantizedKV(*kvq._quantize(cache, store))
     return q, cache, jax.tree.map(jnp.asarray, md), jax.tree.map(jnp.asarray, md_xla)
 
 
@@ -75,6 +82,8 @@ def _jax_paged_attention(q, cache, md, args, interpret: bool):
     """JAX's decode kernel on the same cache (its layout [kv_heads, pages, page, dim])."""
     from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
 
+    if hasattr(cache, "scale"):
+        raise ValueError("JAX's kernel reads float caches only")
     bs = args.block_size
     _, _, KVH, slots, D = cache.shape
     k = cache[0, 0].reshape(KVH, slots // bs, bs, D)
@@ -120,11 +129,11 @@ def _sweep(args, dtype, on_gpu, interpret, bw, flops_peak, mosaic: bool) -> dict
     from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
     grid = GRIDS[args.grid or ("full" if on_gpu else "small")]
-    scale, layer, item = args.head_dim ** -0.5, jnp.int32(0), dtype.itemsize
+    scale, layer, item = args.head_dim ** -0.5, jnp.int32(0), _item(args, dtype)
     out = {"decode": [], "prefill": []}
     batch, ctx = grid["decode"][-1]
     sets = _rotated(batch, ctx - 1, 1, args, dtype, on_gpu)
-    kv_bytes = batch * ctx * args.kv_heads * args.head_dim * 2 * item
+    kv_bytes = int(batch * ctx * args.kv_heads * args.head_dim * 2 * item)
     variants = [("triton", dict(keys=k, num_warps=w), sp) for k, w, sp in DECODE_VARIANTS]
     if mosaic:
         variants += [("mosaic", dict(stages=st), sp) for st, sp in MOSAIC_DECODE_VARIANTS]
@@ -153,18 +162,25 @@ def _sweep(args, dtype, on_gpu, interpret, bw, flops_peak, mosaic: bool) -> dict
 def _rotated(batch, ctx, q_len, args, dtype, on_gpu):
     """The case and as many differently-seeded copies of it as rotations() asks for."""
     first = _case(batch, ctx, q_len, args, dtype, on_gpu)
-    n = rotations(first[1].nbytes) if on_gpu else 1
+    n = rotations(sum(x.nbytes for x in jax.tree.leaves(first[1]))) if on_gpu else 1
     return [first] + [_case(batch, ctx, q_len, args, dtype, on_gpu, seed=i) for i in range(1, n)]
 
 
-def mosaic_applies(dtype, head_dim: int, on_gpu: bool) -> str | None:
+def mosaic_applies(dtype, head_dim: int, on_gpu: bool, kv_cache_dtype: str = "auto") -> str | None:
     """None when the Mosaic kernels can run here (as the engine decides), else why not."""
     from jaxllm.kernels import attention_backend, cuda_runtime_version
+    from jaxllm.quantization.kv import storage_dtype
     backend, why = attention_backend(
-        "pallas", "gpu" if on_gpu else "cpu", dtype, False, head_dim,
+        "pallas", "gpu" if on_gpu else "cpu", dtype, storage_dtype(kv_cache_dtype), head_dim,
         getattr(jax.devices()[0], "compute_capability", None),
         cuda_runtime=cuda_runtime_version() if on_gpu else None)
     return None if backend == "pallas-mosaic" else why
+
+
+def _item(args, dtype) -> float:
+    """Bytes per cached value (a quantized cache's scales spread over its head)."""
+    from jaxllm.quantization.kv import bytes_per_value
+    return bytes_per_value(dtype, args.kv_cache_dtype, args.head_dim)
 
 
 def _time(fn, sets, pick, iters, on_gpu):
@@ -187,16 +203,16 @@ def run(args) -> int:
     layer = jnp.int32(0)
     ours = {f"jaxllm_{k}": jax.jit(lambda q, c, md, k=k: ragged_paged_attention(
         q, c, layer, md, scale, interpret=interpret, kernels=k)) for k in ("triton", "mosaic")}
-    no_mosaic = mosaic_applies(dtype, args.head_dim, on_gpu)
+    no_mosaic = mosaic_applies(dtype, args.head_dim, on_gpu, args.kv_cache_dtype)
     if no_mosaic:
         print(f"the Mosaic kernels are left out: {no_mosaic}")
         ours.pop("jaxllm_mosaic")
     xla = jax.jit(lambda q, c, md: paged_attention_xla(q, c, layer, md, scale))
     rows = {"decode": [], "prefill": []}
-    item = dtype.itemsize
+    item = _item(args, dtype)
     for batch, ctx in grid["decode"]:
         sets = _rotated(batch, ctx - 1, 1, args, dtype, on_gpu)
-        kv_bytes = batch * ctx * args.kv_heads * args.head_dim * 2 * item
+        kv_bytes = int(batch * ctx * args.kv_heads * args.head_dim * 2 * item)
         row = {"batch": batch, "context": ctx, "kv_bytes": kv_bytes, "rotated_caches": len(sets)}
         for name, fn, pick in ([(n, f, lambda s: s[:3]) for n, f in ours.items()]
                                + [("xla", xla, lambda s: (s[0], s[1], s[3]))]):
@@ -236,7 +252,7 @@ def run(args) -> int:
               "interpret": interpret, "mosaic_left_out": no_mosaic,
               "shape": {"heads": args.heads, "kv_heads": args.kv_heads,
                         "head_dim": args.head_dim, "block_size": args.block_size,
-                        "dtype": args.dtype}, **rows}
+                        "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype}, **rows}
     if sweep is not None:
         result["sweep"] = sweep
     write_result(args, result, "kernels")

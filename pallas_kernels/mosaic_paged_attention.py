@@ -17,9 +17,15 @@ Hopper's TMA and warpgroup matmuls instead of Triton's vector gathers.
   the Triton tiles cut them), the output written back through the query's shared memory.
 
 Head sizes are any multiple of 16 (64, 80, 96, 128, 256...): the swizzle is the widest of
-128/64/32 bytes that divides a row. bf16 and fp16 only: an f32 cache would run the tensor
-cores in TF32, and the int8/fp8 caches need a dequantising stage this kernel does not have
-yet; `supports()` says so and the engine falls back to the Triton kernels for those.
+128/64/32 bytes that divides a row. The matmuls take bf16 or fp16 (an f32 cache would run the
+tensor cores in TF32; `supports()` refuses it and the engine falls back to the Triton kernels).
+
+Quantized caches (int8 or fp8 e4m3 values, a float32 scale per token and KV head): the ring
+holds the 8-bit pages as they are (half the bytes to copy) and each chunk's scales; a
+dequantising stage turns the chunk into bf16 (fp16 for fp16 queries) in a shared-memory
+buffer (values times their token's scale, in the warpgroup matmul's register layout) that
+the matmuls then read as they read a bf16 ring. The scales are gathered per sequence before the kernels
+(`sequence_scales`): one page's alone are fewer bytes than a TMA copy moves.
 
 On a CPU the kernels run in Mosaic GPU's interpret mode (`interpret_params`), which simulates
 shared memory, the TMA engine and barriers. It has no wgmma for a transposed or register
@@ -56,15 +62,27 @@ def races_found() -> bool:
     return gpu_callbacks.get_races().races_found
 
 
-def supports(dtype, head_dim: int, quantized: bool = False) -> str | None:
-    """None when these kernels handle the cache, else why not."""
-    if quantized:
-        return "quantized KV caches (int8/fp8) are not in the Mosaic kernels yet"
-    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+QUANTIZED = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
+
+
+def supports(dtype, head_dim: int, values=None) -> str | None:
+    """None when these kernels handle the cache, else why not. dtype: a float cache's;
+    values: a quantized cache's values' dtype (None for a float cache), whose matmuls run in
+    matmul_dtype(queries)."""
+    if values is None and jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return f"the Mosaic kernels take bf16 or fp16 caches, not {jnp.dtype(dtype).name}"
+    if values is not None and jnp.dtype(values) not in QUANTIZED:
+        return f"quantized caches of int8 or fp8 (e4m3) values, not {jnp.dtype(values).name}"
     if head_dim % 16:
         return f"head size {head_dim} is not a multiple of 16"
     return None
+
+
+def matmul_dtype(query_dtype):
+    """What a quantized cache's matmuls take: fp16 for fp16 queries, else bf16 (which holds
+    every int8 and e4m3 value exactly; f32 queries are rounded to it, as they are to a bf16
+    cache's dtype)."""
+    return jnp.float16 if jnp.dtype(query_dtype) == jnp.float16 else jnp.bfloat16
 
 
 def chunk_keys(block_size: int) -> int:
@@ -85,9 +103,8 @@ def _swizzle(head_dim: int, dtype) -> tuple:
     raise ValueError(f"head size {head_dim} is not a multiple of 16")
 
 
-def stages_for(fixed_bytes: int, chunk: int, head_dim: int, dtype) -> int:
+def stages_for(fixed_bytes: int, per_stage: int, head_dim: int) -> int:
     """The deepest K/V ring (at most MAX_STAGES) that fits beside `fixed_bytes`."""
-    per_stage = 2 * chunk * head_dim * jnp.dtype(dtype).itemsize
     stages = min(MAX_STAGES, (SMEM_BYTES - fixed_bytes) // per_stage)
     if stages < 1:
         raise ValueError(f"head size {head_dim} does not fit in shared memory")
@@ -102,6 +119,9 @@ class _Ops:
 
     def cast(self, x, layout):
         return plgpu.layout_cast(x, layout) if self.real else x
+
+    def load(self, ref, layout):
+        return plgpu.load(ref, (), layout=layout) if self.real else ref[...]
 
     def iota(self, shape, dim):
         if self.real:
@@ -137,13 +157,11 @@ class _Ops:
         return acc, m, l
 
 
-def _attend(ops, q_smem, k_slot, v_slot, carry, ok, scale, soft_cap, dtype, rows, chunk, D,
-            k_wait, v_wait):
-    """One chunk of the online softmax: scores, the mask `ok` (visible keys), rescale, PV;
-    k_wait / v_wait wait for the chunk's K and V copies."""
+def _attend(ops, q_smem, ring, slot, carry, ok, scale, soft_cap, dtype, rows, chunk):
+    """One chunk of the online softmax (the chunk in ring slot `slot`): scores, the mask `ok`
+    (visible keys), rescale, PV."""
     acc, m, l = carry
-    k_wait()
-    s = ops.mma(q_smem, k_slot, True, (rows, chunk)) * scale
+    s = ops.mma(q_smem, ring.keys(ops, slot), True, (rows, chunk)) * scale
     if soft_cap is not None:
         s = soft_cap * jnp.tanh(s / soft_cap)
     s = jnp.where(ok, s, _NEG)
@@ -152,22 +170,112 @@ def _attend(ops, q_smem, k_slot, v_slot, carry, ok, scale, soft_cap, dtype, rows
     p = jnp.exp(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
     l = l * corr + p.sum(axis=1)
     acc = acc * lax.broadcast_in_dim(corr, acc.shape, [0])
-    v_wait()
-    acc = ops.mma_acc(acc, p.astype(dtype), v_slot)
+    acc = ops.mma_acc(acc, p.astype(dtype), ring.values(ops, slot))
     return acc, m_new, l
 
 
-def _ring(pages_ref, k_smem, v_smem, k_bar, v_bar, page_of, k_base, v_base, ppc, bs):
-    """fetch(c, slot): copy chunk c's K and V pages into ring slot `slot`."""
-    def fetch(c, slot):
-        for p in range(ppc):
-            page = page_of(c * ppc + p)
-            dst = pl.ds(p * bs, bs)
-            plgpu.copy_gmem_to_smem(pages_ref.at[k_base + page], k_smem.at[slot, dst],
-                                    k_bar.at[slot])
-            plgpu.copy_gmem_to_smem(pages_ref.at[v_base + page], v_smem.at[slot, dst],
-                                    v_bar.at[slot])
-    return fetch
+class _Ring:
+    """A kernel's K/V ring: `stages` chunks of `chunk` keys, each chunk's K and V pages copied
+    in by TMA on one barrier each. For a quantized cache (values: int8 / fp8) the ring holds
+    the 8-bit pages and the chunk's scales, and a dequantising stage writes each chunk into
+    one buffer for K and one for V in the matmuls' dtype."""
+
+    def __init__(self, D, dtype, values, stages_fixed, chunk, ppc, bs, stages=None):
+        self.D, self.dtype, self.chunk, self.ppc, self.bs = D, dtype, chunk, ppc, bs
+        self.quantized = values is not None
+        self.store = jnp.dtype(values) if self.quantized else jnp.dtype(dtype)
+        per_stage = 2 * chunk * D * self.store.itemsize + (2 * chunk * 4 if self.quantized else 0)
+        fixed = stages_fixed + (2 * chunk * D * jnp.dtype(dtype).itemsize if self.quantized else 0)
+        self.stages = stages or stages_for(fixed, per_stage, D)
+        self.refs = None
+
+    def scratch(self) -> list:
+        """Its shared memory (before the kernel's own extra buffers)."""
+        st, chunk, D = self.stages, self.chunk, self.D
+        out = [plgpu.SMEM((st, chunk, D), self.store, transforms=_ring_transforms(D, self.store))
+               for _ in range(2)]
+        if self.quantized:
+            out += [plgpu.SMEM((st, chunk), jnp.float32) for _ in range(2)]
+            out += [plgpu.SMEM((chunk, D), self.dtype, transforms=_swizzle(D, self.dtype))
+                    for _ in range(2)]
+        return out
+
+    def barriers(self) -> list:
+        n = self.ppc + self.quantized  # the pages' copies, and the scales'
+        return [plgpu.Barrier(num_arrivals=n, num_barriers=self.stages) for _ in range(2)]
+
+    def take(self, refs: list, k_bar, v_bar) -> list:
+        """Keep the ring's refs (the first of `refs`); returns the rest."""
+        n = 6 if self.quantized else 2
+        self.refs, self.k_bar, self.v_bar = refs[:n], k_bar, v_bar
+        return refs[n:]
+
+    def fetcher(self, pages_ref, page_of, k_base, v_base, scales=None):
+        """fetch(c, slot): copy chunk c's K and V pages (and scales) into ring slot `slot`.
+        scales: (this sequence and head's [2, keys] scales ref, c -> its first key)."""
+        k_smem, v_smem = self.refs[:2]
+        bs = self.bs
+
+        def fetch(c, slot):
+            for p in range(self.ppc):
+                page = page_of(c * self.ppc + p)
+                dst = pl.ds(p * bs, bs)
+                plgpu.copy_gmem_to_smem(pages_ref.at[k_base + page], k_smem.at[slot, dst],
+                                        self.k_bar.at[slot])
+                plgpu.copy_gmem_to_smem(pages_ref.at[v_base + page], v_smem.at[slot, dst],
+                                        self.v_bar.at[slot])
+            if self.quantized:
+                sc_ref, first_key = scales
+                keys = pl.ds(first_key(c), self.chunk)
+                plgpu.copy_gmem_to_smem(sc_ref.at[0, keys], self.refs[2].at[slot],
+                                        self.k_bar.at[slot])
+                plgpu.copy_gmem_to_smem(sc_ref.at[1, keys], self.refs[3].at[slot],
+                                        self.v_bar.at[slot])
+        return fetch
+
+    def keys(self, ops, slot):
+        """The chunk's K, ready for the matmul (its copies waited for)."""
+        plgpu.barrier_wait(self.k_bar.at[slot])
+        return self._ready(ops, 0, slot)
+
+    def values(self, ops, slot):
+        plgpu.barrier_wait(self.v_bar.at[slot])
+        return self._ready(ops, 1, slot)
+
+    def _ready(self, ops, which, slot):
+        if not self.quantized:
+            return self.refs[which].at[slot]
+        # the codes times their token's scale, in the matmuls' register layout; the buffer's
+        # previous chunk has been read (its matmul's result was waited for)
+        x = ops.load(self.refs[which].at[slot], plgpu.Layout.WGMMA).astype(jnp.float32)
+        sc = ops.load(self.refs[2 + which].at[slot], plgpu.Layout.WGMMA.reduce(1))
+        out = self.refs[4 + which]
+        out[...] = (x * lax.broadcast_in_dim(sc, x.shape, [0])).astype(self.dtype)
+        plgpu.commit_smem()
+        return out
+
+
+def _ring_transforms(D, store) -> tuple:
+    """The ring's layout in shared memory: swizzled as the matmuls want it, or for 8-bit
+    values whose rows no swizzle divides (head size 80), plain rows (the dequantising stage
+    reads them, not a matmul)."""
+    try:
+        return _swizzle(D, store)
+    except ValueError:
+        if store.itemsize == 1:
+            return ()
+        raise
+
+
+def sequence_scales(scale, layer, tables, block_size):
+    """A quantized cache's scales [L, 2, KVH, slots] for each sequence's keys in order:
+    [S, KVH, 2, MB * block_size] (tables: [S, MB]). Gathered before the kernels so that a
+    chunk's scales are one TMA copy: a page's alone are fewer bytes than one moves."""
+    _, two, KVH, slots = scale.shape
+    sc = lax.dynamic_index_in_dim(scale, layer[0], 0, keepdims=False)
+    sc = sc.reshape(two, KVH, slots // block_size, block_size)[:, :, tables]  # [2,KVH,S,MB,bs]
+    S, MB = tables.shape
+    return sc.transpose(2, 1, 0, 3, 4).reshape(S, KVH, two, MB * block_size)
 
 
 def _pipeline(fetch, c0, c1, stages, body, carry):
@@ -188,24 +296,22 @@ def _pipeline(fetch, c0, c1, stages, body, carry):
     return lax.fori_loop(c0, c1, step, carry)
 
 
-def _scratch(q_rows, D, dtype, stages, chunk, ppc, extra=()):
-    tr = _swizzle(D, dtype)
-    return [plgpu.SMEM((q_rows, D), dtype, transforms=tr),
-            plgpu.SMEM((stages, chunk, D), dtype, transforms=tr),
-            plgpu.SMEM((stages, chunk, D), dtype, transforms=tr),
-            *extra,
-            plgpu.Barrier(),
-            plgpu.Barrier(num_arrivals=ppc, num_barriers=stages),
-            plgpu.Barrier(num_arrivals=ppc, num_barriers=stages)]
+def _pad_keys(seq_scales, width: int, ring: _Ring, bs: int):
+    """The scales padded to the (padded) tables' keys, and to a whole ring: the first
+    chunks' copies are issued under a run-time condition, but their slices are checked when
+    traced."""
+    keys = max(width, ring.stages * ring.ppc) * bs
+    return jnp.pad(seq_scales, ((0, 0), (0, 0), (0, 0), (0, keys - seq_scales.shape[-1])))
 
 
 def paged_decode(q, pages, layer, tables, lens, lo, *, kv_heads, blocks, block_size, scale,
-                 soft_cap=None, k_splits=1, stages=None, interpret=None):
+                 soft_cap=None, k_splits=1, stages=None, interpret=None, seq_scales=None):
     """One query token per sequence against its context, split-K over the context.
 
     q: [S, KVH, G, D]; pages: flat_pages(cache); layer: [1] i32; tables: [S, MB];
     lens: [S] context lengths (0: padded row); lo: [S] first position in the window;
-    interpret: None on a GPU, interpret_params() elsewhere. Returns [S, KVH, G, D] f32."""
+    interpret: None on a GPU, interpret_params() elsewhere; seq_scales: a quantized cache's
+    sequence_scales (pages then hold its int8 / fp8 values). Returns [S, KVH, G, D] f32."""
     S, KVH, G, D = q.shape
     dtype = q.dtype
     bs = block_size
@@ -218,13 +324,20 @@ def paged_decode(q, pages, layer, tables, lens, lo, *, kv_heads, blocks, block_s
     tables = jnp.pad(tables, ((0, 0), (0, width - W)))
     per_split = width // k_splits
     qp = jnp.pad(q, ((0, 0), (0, 0), (0, rows - G), (0, 0)))
+    quantized = seq_scales is not None
     size = jnp.dtype(dtype).itemsize
-    fixed = rows * D * size + rows * D * 4 + 2 * rows * 4 + 4096
-    stages = stages or stages_for(fixed, chunk, D, dtype)
+    ring = _Ring(D, dtype, pages.dtype if quantized else None,
+                 rows * D * size + rows * D * 4 + 2 * rows * 4 + 4096, chunk, ppc, bs, stages)
+    inputs = [layer, qp, pages, tables, lens, lo]
+    if quantized:
+        inputs.append(_pad_keys(seq_scales, width, ring, bs))
     ops = _Ops(interpret)
 
-    def body(layer_ref, q_ref, pages_ref, tables_ref, lens_ref, lo_ref, o_ref, m_ref, l_ref,
-             q_smem, k_smem, v_smem, o_smem, ml_smem, q_bar, k_bar, v_bar):
+    def body(*refs):
+        layer_ref, q_ref, pages_ref, tables_ref, lens_ref, lo_ref, *refs = refs
+        sc_ref = refs.pop(0) if quantized else None
+        o_ref, m_ref, l_ref, q_smem, *refs = refs
+        o_smem, ml_smem, q_bar, k_bar, v_bar = ring.take(refs[:-3], *refs[-2:]) + refs[-3:]
         s = lax.axis_index("s")
         h = lax.axis_index("h")
         split = lax.axis_index("k")
@@ -238,18 +351,17 @@ def paged_decode(q, pages, layer, tables, lens, lo, *, kv_heads, blocks, block_s
         end = jnp.minimum(first + per_split, pl.cdiv(length, bs))
         c0 = (start - first) // ppc
         c1 = jnp.where(start < end, pl.cdiv(end - first, ppc), c0)
-        fetch = _ring(pages_ref, k_smem, v_smem, k_bar, v_bar,
-                      lambda i: tables_ref[s, first + i], k_base, v_base, ppc, bs)
+        fetch = ring.fetcher(pages_ref, lambda i: tables_ref[s, first + i], k_base, v_base,
+                             (sc_ref.at[s, h], lambda c: (first + c * ppc) * bs)
+                             if quantized else None)
         plgpu.copy_gmem_to_smem(q_ref.at[s, h], q_smem, q_bar)
         plgpu.barrier_wait(q_bar)
 
         def chunk_step(c, slot, carry):
             pos = (first + c * ppc) * bs + ops.iota((rows, chunk), 1)
-            return _attend(ops, q_smem, k_smem.at[slot], v_smem.at[slot], carry,
-                           (pos < length) & (pos >= lo_s), scale, soft_cap, dtype, rows,
-                           chunk, D, lambda: plgpu.barrier_wait(k_bar.at[slot]),
-                           lambda: plgpu.barrier_wait(v_bar.at[slot]))
-        acc, m, l = _pipeline(fetch, c0, c1, stages, chunk_step, ops.init(rows, D))
+            return _attend(ops, q_smem, ring, slot, carry, (pos < length) & (pos >= lo_s),
+                           scale, soft_cap, dtype, rows, chunk)
+        acc, m, l = _pipeline(fetch, c0, c1, ring.stages, chunk_step, ops.init(rows, D))
         o_smem[...] = acc
         ml_smem[0] = m
         ml_smem[1] = l
@@ -259,25 +371,30 @@ def paged_decode(q, pages, layer, tables, lens, lo, *, kv_heads, blocks, block_s
         plgpu.copy_smem_to_gmem(ml_smem.at[1], l_ref.at[split, s, h])
         plgpu.wait_smem_to_gmem(0)
 
-    extra = [plgpu.SMEM((rows, D), jnp.float32), plgpu.SMEM((2, rows), jnp.float32)]
     o, m, l = plgpu.kernel(
         body,
         out_type=[jax.ShapeDtypeStruct((k_splits, S, KVH, rows, D), jnp.float32),
                   jax.ShapeDtypeStruct((k_splits, S, KVH, rows), jnp.float32),
                   jax.ShapeDtypeStruct((k_splits, S, KVH, rows), jnp.float32)],
-        scratch_types=_scratch(rows, D, dtype, stages, chunk, ppc, extra),
+        scratch_types=[plgpu.SMEM((rows, D), dtype, transforms=_swizzle(D, dtype)),
+                       *ring.scratch(),
+                       plgpu.SMEM((rows, D), jnp.float32), plgpu.SMEM((2, rows), jnp.float32),
+                       plgpu.Barrier(), *ring.barriers()],
         grid=(S, KVH, k_splits), grid_names=("s", "h", "k"),
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret, kernel_name="jaxllm_mosaic_decode",
-    )(layer, qp, pages, tables, lens, lo)
+    )(*inputs)
     return combine_splits(o, m, l)[:, :, :G]
 
 
 def paged_prefill_tiles(q, pages, layer, tables, meta, *, kv_heads, blocks, block_size, qt,
-                        scale, window=None, soft_cap=None, stages=None, interpret=None):
+                        scale, window=None, soft_cap=None, stages=None, interpret=None,
+                        seq_scales=None):
     """q: [KVH, T, Gp, D] queries by KV head (padded with qt rows at the end);
     tables: [W, MB] the block-table row of each tile's sequence; meta: [W, 4] (first token,
-    its position, valid rows, unused). Returns [W, KVH, qt, Gp, D] in q's dtype.
+    its position, valid rows, its sequence); seq_scales: a quantized cache's
+    sequence_scales (pages then hold its int8 / fp8 values). Returns [W, KVH, qt, Gp, D] in
+    q's dtype.
 
     Past a head size of 128 a 128-row tile's accumulator and scores no longer fit in one
     warpgroup's registers: each tile is run as two programs of half its tokens."""
@@ -292,7 +409,7 @@ def paged_prefill_tiles(q, pages, layer, tables, meta, *, kv_heads, blocks, bloc
         out = paged_prefill_tiles(q, pages, layer, jnp.repeat(tables, 2, axis=0), meta,
                                   kv_heads=kv_heads, blocks=blocks, block_size=block_size,
                                   qt=half, scale=scale, window=window, soft_cap=soft_cap,
-                                  stages=stages, interpret=interpret)
+                                  stages=stages, interpret=interpret, seq_scales=seq_scales)
         return out.reshape(W, 2, KVH, half, gp, D).transpose(0, 2, 1, 3, 4, 5).reshape(
             W, KVH, qt, gp, D)
     W = meta.shape[0]
@@ -310,11 +427,19 @@ def paged_prefill_tiles(q, pages, layer, tables, meta, *, kv_heads, blocks, bloc
     # must start on a multiple of 8 rows, and a tile's first row (start * gp) need not
     rows_of = meta[:, :1] * gp + jnp.arange(rows)[None, :]
     q_tiles = q.reshape(KVH, Tp * gp, D)[:, rows_of]  # [KVH, W, rows, D]
-    stages = stages or stages_for(rows * D * jnp.dtype(dtype).itemsize + 4096, chunk, D, dtype)
+    quantized = seq_scales is not None
+    ring = _Ring(D, dtype, pages.dtype if quantized else None,
+                 rows * D * jnp.dtype(dtype).itemsize + 4096, chunk, ppc, bs, stages)
+    inputs = [layer, q_tiles, pages, tables, meta]
+    if quantized:
+        inputs.append(_pad_keys(seq_scales, width, ring, bs))
     ops = _Ops(interpret)
 
-    def body(layer_ref, q_ref, pages_ref, tables_ref, meta_ref, o_ref,
-             q_smem, k_smem, v_smem, q_bar, k_bar, v_bar):
+    def body(*refs):
+        layer_ref, q_ref, pages_ref, tables_ref, meta_ref, *refs = refs
+        sc_ref = refs.pop(0) if quantized else None
+        o_ref, q_smem, *refs = refs
+        q_bar, k_bar, v_bar = ring.take(refs[:-3], *refs[-2:]) + refs[-3:]
         w = lax.axis_index("w")
         h = lax.axis_index("h")
         pos0, nrows = meta_ref[w, 1], meta_ref[w, 2]
@@ -324,8 +449,9 @@ def paged_prefill_tiles(q, pages, layer, tables, meta, *, kv_heads, blocks, bloc
         lo = 0 if window is None else jnp.maximum(pos0 - window + 1, 0)
         c0 = lo // chunk
         c1 = jnp.where(nrows > 0, pl.cdiv(hi, chunk), c0)
-        fetch = _ring(pages_ref, k_smem, v_smem, k_bar, v_bar,
-                      lambda i: tables_ref[w, i], k_base, v_base, ppc, bs)
+        fetch = ring.fetcher(pages_ref, lambda i: tables_ref[w, i], k_base, v_base,
+                             (sc_ref.at[meta_ref[w, 3], h], lambda c: c * chunk)
+                             if quantized else None)
         plgpu.copy_gmem_to_smem(q_ref.at[h, w], q_smem, q_bar)
         plgpu.barrier_wait(q_bar)
 
@@ -336,11 +462,9 @@ def paged_prefill_tiles(q, pages, layer, tables, meta, *, kv_heads, blocks, bloc
             ok = k_pos <= q_pos
             if window is not None:
                 ok &= k_pos > q_pos - window
-            return _attend(ops, q_smem, k_smem.at[slot], v_smem.at[slot], carry, ok, scale,
-                           soft_cap, dtype, rows, chunk, D,
-                           lambda: plgpu.barrier_wait(k_bar.at[slot]),
-                           lambda: plgpu.barrier_wait(v_bar.at[slot]))
-        acc, _, l = _pipeline(fetch, c0, c1, stages, chunk_step, ops.init(rows, D))
+            return _attend(ops, q_smem, ring, slot, carry, ok, scale, soft_cap, dtype, rows,
+                           chunk)
+        acc, _, l = _pipeline(fetch, c0, c1, ring.stages, chunk_step, ops.init(rows, D))
         acc = acc / lax.broadcast_in_dim(jnp.maximum(l, 1e-30), acc.shape, [0])
         q_smem[...] = acc.astype(dtype)  # the query's buffer takes the output
         plgpu.commit_smem()
@@ -350,9 +474,10 @@ def paged_prefill_tiles(q, pages, layer, tables, meta, *, kv_heads, blocks, bloc
     out = plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((W, KVH, rows, D), dtype),
-        scratch_types=_scratch(rows, D, dtype, stages, chunk, ppc),
+        scratch_types=[plgpu.SMEM((rows, D), dtype, transforms=_swizzle(D, dtype)),
+                       *ring.scratch(), plgpu.Barrier(), *ring.barriers()],
         grid=(W, KVH), grid_names=("w", "h"),
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret, kernel_name="jaxllm_mosaic_prefill",
-    )(layer, q_tiles, pages, tables, meta)
+    )(*inputs)
     return out.reshape(W, KVH, qt, gp, D)

@@ -278,7 +278,7 @@ def paged_prefill_tiles(q, pages, layer, tables, meta, *, kv_heads, blocks, bloc
                         num_warps=PREFILL_WARPS, interpret=False, page_scales=None):
     """q: [KVH, T, Gp, D] queries by KV head (padded with qt rows at the end);
     tables: [W, MB] the block-table row of each tile's sequence; meta: [W, 4] (first token,
-    its position, valid rows, unused). Returns [W, KVH, qt, Gp, D] f32."""
+    its position, valid rows, its sequence). Returns [W, KVH, qt, Gp, D] f32."""
     KVH, Tp, gp, D_in = q.shape
     D = next_pow2(D_in)
     q = jnp.pad(q, ((0, 0), (0, 0), (0, 0), (0, D - D_in)))
@@ -318,7 +318,7 @@ def ragged_paged_attention(q, kv_cache, layer, md, scale, sliding_window=None, s
 
     md: the step's AttentionMetadata; its tiles must have been cut with q_tile(G) tokens.
     kernels: "triton" (this module's kernels) or "mosaic" (mosaic_paged_attention.py's, for
-    Hopper; bf16/fp16 caches), the rest of the step being the same.
+    Hopper; bf16/fp16 queries), the rest of the step being the same.
     poison (tests): tokens that no kernel writes come out NaN instead of zero.
     tuning (benchmarks): {"decode": {keys, num_warps}, "prefill": {keys, num_warps}} in place
     of the defaults ({"decode": {stages}, "prefill": {stages}} for the Mosaic kernels).
@@ -343,10 +343,15 @@ def ragged_paged_attention(q, kv_cache, layer, md, scale, sliding_window=None, s
         k_splits = 1 if interpret else decode_splits(S, KVH)
     if kernels == "mosaic":
         from pallas_kernels import mosaic_paged_attention as mosaic
-        why = mosaic.supports(dtype, D, quantized)
+        why = mosaic.supports(dtype, D, data.dtype if quantized else None)
         if why:
             raise ValueError(f"attention_backend 'pallas-mosaic': {why}")
-        mosaic_args = dict(interpret=mosaic.interpret_params() if interpret else None)
+        if quantized:
+            qg = qg.astype(mosaic.matmul_dtype(q.dtype))
+        mosaic_args = dict(interpret=mosaic.interpret_params() if interpret else None,
+                           seq_scales=mosaic.sequence_scales(kv_cache.scale, layer,
+                                                             md.block_tables, bs)
+                           if quantized else None)
         decode_fn = functools.partial(mosaic.paged_decode, **mosaic_args,
                                       **tuning.get("decode", {}))
         tiles_fn = functools.partial(mosaic.paged_prefill_tiles, **mosaic_args,
@@ -383,7 +388,7 @@ def ragged_paged_attention(q, kv_cache, layer, md, scale, sliding_window=None, s
         seq_end = md.query_start_loc[md.tile_seq + 1]
         nrows = jnp.where(live, jnp.clip(seq_end - start, 0, qt), 0)
         pos0 = md.positions[jnp.minimum(start, T - 1)]
-        meta = jnp.stack([start, pos0, nrows, jnp.zeros_like(start)], axis=1).astype(jnp.int32)
+        meta = jnp.stack([start, pos0, nrows, md.tile_seq], axis=1).astype(jnp.int32)
         qk = jnp.pad(qg.transpose(1, 0, 2, 3), ((0, 0), (0, qt), (0, gp - G), (0, 0)))
         tiles = tiles_fn(qk, pages, layer, md.block_tables[md.tile_seq], meta, kv_heads=KVH,
                          blocks=blocks, block_size=bs, qt=qt, scale=scale,

@@ -30,6 +30,20 @@ def make_case(seqs, *, heads=8, kv_heads=2, head_dim=64, block_size=16, layers=2
     return jnp.asarray(q, dtype), jnp.asarray(cache, dtype), layer, md
 
 
+def quantize_cache(cache, kv_dtype, bits=False):
+    """The float cache written through write_kv into an int8 / fp8 cache (with `bits`, fp8
+    held as its bytes, as the CPU engine holds it), every slot of every layer, as the engine's
+    steps would have."""
+    from jaxllm.layers.attention import write_kv
+    from jaxllm.quantization import kv as kvq
+    L, _, KVH, slots, D = cache.shape
+    qcache = kvq.make_cache(cache.shape, jnp.float32, kv_dtype, bits=bits)
+    everything = jnp.arange(slots)
+    for i in range(L):
+        qcache = write_kv(qcache, i, cache[i, 0].swapaxes(0, 1), cache[i, 1].swapaxes(0, 1), everything)
+    return qcache
+
+
 # ragged batches for the Pallas kernels' tests: [(tokens already cached, tokens this step)]
 KERNEL_CASES = {
     "single_token": [(0, 1)],
@@ -41,23 +55,29 @@ KERNEL_CASES = {
 
 def check_kernels(seqs, heads, kv_heads, *, kernels, interpret, tol, head_dim=64,
                   dtype=jnp.float32, T=None, S=None, window=None, soft_cap=None, block_size=16,
-                  seed=0, max_model_len=2048):
+                  seed=0, max_model_len=2048, kv_dtype=None):
     """One ragged batch through ragged_paged_attention's `kernels` family against the dense
-    reference; tokens no kernel writes come out NaN and fail."""
+    reference; tokens no kernel writes come out NaN and fail. kv_dtype ("int8", "fp8"): the
+    cache quantized as the engine writes it, queries in `dtype`, the reference reading the
+    dequantized cache."""
     import jax
 
+    from jaxllm.quantization import kv as kvq
     from pallas_kernels.paged_attention_ref import ragged_paged_attention_ref
     from pallas_kernels.ragged_paged_attention import q_tile, ragged_paged_attention
     q, cache, layer, md = make_case(seqs, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                                     block_size=block_size, T=T, S=S, max_model_len=max_model_len,
                                     dtype=dtype, seed=seed, qt=q_tile(heads // kv_heads))
+    if kv_dtype is not None:
+        cache = quantize_cache(cache.astype(jnp.float32), kv_dtype)
     md = jax.tree.map(jnp.asarray, md)
     scale = head_dim ** -0.5
     fn = jax.jit(lambda q, c, md: ragged_paged_attention(
         q, c, jnp.int32(layer), md, scale, window, soft_cap, interpret=interpret, poison=True,
         kernels=kernels))
     got = np.asarray(fn(q, cache, md), np.float32)
-    want = np.asarray(ragged_paged_attention_ref(q, cache, layer, md.positions, md.token_seq_ids,
+    ref_cache = cache if kv_dtype is None else kvq.dequantize(cache)
+    want = np.asarray(ragged_paged_attention_ref(q, ref_cache, layer, md.positions, md.token_seq_ids,
                                                  md.block_tables, block_size, scale, window,
                                                  soft_cap), np.float32)
     real = int(md.query_start_loc[-1])

@@ -119,7 +119,7 @@ def build_engine(config: EngineConfig, lora_modules=(), model_names=()) -> Engin
         requested, platform,
         kvq.cache_dtype(config.kv_cache_dtype, policy.weight, policy.activation,
                         config.quantization is not None, "gpu", "pallas"),
-        kvq.storage_dtype(config.kv_cache_dtype) is not None,
+        kvq.storage_dtype(config.kv_cache_dtype),
         compute_capability=getattr(jax.devices()[0], "compute_capability", None),
         cpu_kernels=config.cpu_kernels,
         cuda_runtime=cuda_runtime_version() if platform == "gpu" else None)

@@ -36,7 +36,7 @@ def cuda_runtime_version() -> int | None:
         return None
 
 
-def attention_backend(requested: str, platform: str, cache_dtype, quantized_cache: bool,
+def attention_backend(requested: str, platform: str, cache_dtype, quantized_values,
                       head_dim: int | None = None, compute_capability: str | None = None,
                       cpu_kernels: bool = True, cuda_runtime: int | None = None
                       ) -> tuple[str, str]:
@@ -44,8 +44,9 @@ def attention_backend(requested: str, platform: str, cache_dtype, quantized_cach
 
     "auto" is "pallas" on a GPU, the CPU kernels (or XLA's ops) elsewhere. "pallas" is the
     Mosaic GPU kernels where they apply (a Hopper or later GPU, or a CPU, where they run in
-    their interpreter; a bf16/fp16 cache), the Triton kernels otherwise. Asking for
-    "pallas-mosaic" where it does not apply is an error."""
+    their interpreter; bf16/fp16, or int8/fp8 values read into bf16/fp16), the Triton kernels otherwise. Asking for
+    "pallas-mosaic" where it does not apply is an error. cache_dtype: the float dtype the
+    attention computes in; quantized_values: an int8 / fp8 cache's values' dtype, or None."""
     if requested == "auto":
         if platform != "gpu":
             return ("cpu" if cpu_kernels else "xla"), "the default off a GPU"
@@ -53,7 +54,7 @@ def attention_backend(requested: str, platform: str, cache_dtype, quantized_cach
     if not requested.startswith("pallas"):
         return requested, "asked for"
     from pallas_kernels import mosaic_paged_attention as mosaic
-    why_not = mosaic.supports(cache_dtype, head_dim or 64, quantized_cache)
+    why_not = mosaic.supports(cache_dtype, head_dim or 64, quantized_values)
     if platform == "gpu" and why_not is None and compute_capability is not None:
         if float(compute_capability) < 9.0:
             why_not = f"Mosaic GPU needs a Hopper or later GPU (this one is sm_{compute_capability})"

@@ -339,6 +339,18 @@ def test_kernels_small_grid(tmp_path, monkeypatch):
     assert [v["kernels"] for v in sweep["prefill"]] == ["triton", "mosaic"]
     assert all(v["gb_s"] > 0 for v in sweep["decode"]) and all(v["tflop_s"] > 0 for v in sweep["prefill"])
 
+    # an int8 cache: both families read it (bytes: 1 per value and 4 per token's scale)
+    monkeypatch.setitem(kernels.GRIDS, "small", dict(decode=[(1, 64)], prefill=[32]))
+    run_cli("bench", "kernels", "--grid", "small", "--iters", "1", "--heads", "8", "--kv-heads", "2",
+            "--head-dim", "64", "--kv-cache-dtype", "int8", "--results-dir", str(tmp_path),
+            "--tag", "k8")
+    r = read_json(tmp_path / "k8.json")
+    assert r["shape"]["kv_cache_dtype"] == "int8" and r["mosaic_left_out"] is None
+    row = r["decode"][0]
+    assert row["kv_bytes"] == 1 * 64 * 2 * (64 + 4) * 2
+    assert all(row[n]["gb_s"] > 0 for n in ("jaxllm_triton", "jaxllm_mosaic", "xla"))
+    assert "float caches only" in row["jax_paged_attention"]["error"]
+
 
 def test_moe_against_every_expert_and_the_dense_twin(tmp_path):
     run_cli("bench", "moe", "--hidden-size", "64", "--num-layers", "1", "--num-heads", "2",

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from attention_cases import make_case
+from attention_cases import make_case, quantize_cache
 from conftest import covering
 from jaxllm.layers.attention import paged_attention_xla
 from pallas_kernels.paged_attention_ref import ragged_paged_attention_ref
@@ -97,7 +97,7 @@ def test_quantized_kv_cache(kv_dtype, backend):
     q, cache, layer, md = make_case(CASES["mixed"] + [(130, 40)], kv_heads=2, seed=11,
                                     qt=q_tile(4) if backend == "pallas" else None)
     D = cache.shape[-1]
-    qcache = _write_quantized(cache, kv_dtype)
+    qcache = quantize_cache(cache, kv_dtype)
     deq = kvq.dequantize(qcache)
     step = 1 / 127 if kv_dtype == "int8" else 32 / 448  # int8 step / e4m3 spacing at its top
     amax = np.abs(np.asarray(cache)).max(-1, keepdims=True)
@@ -117,20 +117,6 @@ def test_quantized_kv_cache(kv_dtype, backend):
                                atol=0.03 if kv_dtype == "int8" else 0.15)
 
 
-def _write_quantized(cache, kv_dtype, bits=False):
-    """The float cache written through write_kv into an int8 / fp8 cache (with `bits`, fp8
-    held as its bytes, as the CPU engine holds it), every slot of every layer, as the engine's
-    steps would have."""
-    from jaxllm.layers.attention import write_kv
-    from jaxllm.quantization import kv as kvq
-    L, _, KVH, slots, D = cache.shape
-    qcache = kvq.make_cache(cache.shape, jnp.float32, kv_dtype, bits=bits)
-    everything = jnp.arange(slots)
-    for i in range(L):
-        qcache = write_kv(qcache, i, cache[i, 0].swapaxes(0, 1), cache[i, 1].swapaxes(0, 1), everything)
-    return qcache
-
-
 @pytest.mark.parametrize("kv_dtype,shape", covering(
     ["int8", "fp8", "fp8-bytes"],
     # heads, kv_heads, head_dim, window, soft_cap
@@ -148,9 +134,9 @@ def test_quantized_cache_head_shapes(kv_dtype, shape):
     q, cache, layer, md = make_case(seqs, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                                     seed=heads + head_dim + len(kv_dtype))
     kv_dtype, _, held = kv_dtype.partition("-")
-    qcache = _write_quantized(cache, kv_dtype, bits=held == "bytes")
+    qcache = quantize_cache(cache, kv_dtype, bits=held == "bytes")
     if held:
-        as_fp8 = _write_quantized(cache, kv_dtype)
+        as_fp8 = quantize_cache(cache, kv_dtype)
         assert qcache.data.dtype == kvq.FP8_BITS
         np.testing.assert_array_equal(
             np.asarray(qcache.data),
