@@ -45,6 +45,10 @@ KERNEL_SHAPES = [  # (name, dtype, heads, kv_heads, head_dim, sliding window, so
     ("phi-2", "bfloat16", 32, 32, 80, None, None),
     ("head size 96", "bfloat16", 28, 4, 96, None, None),
     ("gemma-2-9b", "bfloat16", 16, 8, 256, 4096, 50.0),
+    # quantized caches (bf16 queries): int8 / fp8 values and a scale per token and head
+    ("llama-3-8b int8 cache", "int8", 32, 8, 128, None, None),
+    ("phi-2 fp8 cache", "fp8", 32, 32, 80, None, None),
+    ("gemma-2-9b int8 cache", "int8", 16, 8, 256, 4096, 50.0),
 ]
 
 
@@ -167,13 +171,18 @@ def compile_kernels(rep, arch: str) -> list[dict]:
 
     T, S, bs, max_len, blocks, layers = 512, 64, 16, 4096, 2048, 2
     rows = []
+    from jaxllm.quantization import kv as kvq
     for name, dtype, H, KVH, D, window, cap in KERNEL_SHAPES:
-        dt = jnp.dtype(dtype)
+        values = kvq.storage_dtype(dtype) if dtype in kvq.KV_CACHE_DTYPES else None
+        dt = jnp.dtype(jnp.bfloat16 if values is not None else dtype)
         sds = lambda shape, d: jax.ShapeDtypeStruct(shape, d, sharding=rep)  # noqa: E731
         md = abstract_step_inputs(T, S, bs, table_width(max_len, bs), q_tile(H // KVH))[1]
         md = jax.tree.map(lambda x: sds(x.shape, x.dtype), md)
+        shape = (layers, 2, KVH, blocks * bs, D)
+        cache = (sds(shape, dt) if values is None else
+                 kvq.QuantizedKV(sds(shape, values), sds(shape[:-1], jnp.float32)))
         for kernels in ("triton", "mosaic"):
-            if kernels == "mosaic" and mosaic.supports(dt, D):
+            if kernels == "mosaic" and mosaic.supports(dt, D, values):
                 continue
             fn = jax.jit(lambda q, c, md, D=D, window=window, cap=cap, k=kernels:
                          ragged_paged_attention(q, c, 1, md, D ** -0.5, window, cap, kernels=k))
@@ -182,8 +191,7 @@ def compile_kernels(rep, arch: str) -> list[dict]:
                        head_dim=D)
             t0 = time.perf_counter()
             try:
-                fn.lower(sds((T, H, D), dt), sds((layers, 2, KVH, blocks * bs, D), dt),
-                         md).compile()
+                fn.lower(sds((T, H, D), dt), cache, md).compile()
                 row["compile_s"] = round(time.perf_counter() - t0, 2)
                 row["kernels"] = _kernel_reports(arch) if kernels == "triton" else _mosaic_reports()
             except Exception as e:  # a kernel that does not build is the finding
@@ -352,7 +360,7 @@ def run(args) -> None:
         cc = re.search(r"cuda_compute_capability\s*{\s*major:\s*(\d+)(?:\s*minor:\s*(\d+))?",
                        target)
         args.attention_backend = attention_backend(
-            "pallas", "gpu", jnp.dtype(args.dtype), kvq.storage_dtype(args.kv_cache_dtype) is not None,
+            "pallas", "gpu", jnp.dtype(args.dtype), kvq.storage_dtype(args.kv_cache_dtype),
             compute_capability=f"{cc.group(1)}.{cc.group(2) or 0}" if cc else None)[0]
     mesh = make_mesh(args.tensor_parallel_size, devices=topo.devices)
     device = topo.devices[0].device_kind

@@ -124,10 +124,15 @@ def _per_replica(base: str) -> dict:
         for smp in fam.samples:
             key = {"jaxllm:router_requests_total": "routed",
                    "jaxllm:router_prompt_tokens_total": "prompt_tokens",
-                   "jaxllm:router_cached_tokens_total": "cached_tokens"}.get(smp.name)
+                   "jaxllm:router_cached_tokens_total": "cached_tokens",
+                   "jaxllm:router_expected_cached_tokens_total": "expected_cached_tokens"
+                   }.get(smp.name)
             if key is not None:
                 r = out.setdefault(smp.labels["replica"], {})
                 r[key] = r.get(key, 0) + int(smp.value)
+                if key == "routed":  # and why
+                    why = r.setdefault("reasons", {})
+                    why[smp.labels["reason"]] = why.get(smp.labels["reason"], 0) + int(smp.value)
     return out
 
 

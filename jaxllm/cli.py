@@ -128,6 +128,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--routing-policy", default=None, choices=["prefix", "round_robin", "least_loaded"],
                    help="how replicas are chosen: prefix (default: the replica holding the "
                         "longest cached prefix, balanced by load), round_robin, least_loaded")
+    g.add_argument("--routing-cache-threshold", type=float, default=None,
+                   help="prefix routing: the least part of a prompt's blocks a replica must hold "
+                        "for its cached prefix to count; below it the least loaded replica takes "
+                        "the request (default 0.3)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="automatic prefix caching (default on)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,

@@ -127,6 +127,8 @@ class EngineConfig:
     data_parallel_backend: str = "ray"
     data_parallel_address: str | None = None
     routing_policy: str = "prefix"
+    # prefix routing: a cached prefix counts when it covers this much of the prompt
+    routing_cache_threshold: float = 0.3
     # disaggregated prefill/decode (jaxllm.distributed): vLLM's dict (or its JSON), e.g.
     # {"kv_connector": "RayObjectStoreConnector", "kv_role": "kv_both",
     #  "kv_connector_extra_config": {"prefill_replicas": 1}}: some replicas prefill, the
@@ -208,6 +210,9 @@ class EngineConfig:
         if self.routing_policy not in ROUTING_POLICIES:
             raise ValueError(f"routing_policy must be one of {ROUTING_POLICIES}, "
                              f"got {self.routing_policy!r}")
+        if not 0.0 <= self.routing_cache_threshold <= 1.0:
+            raise ValueError(f"routing_cache_threshold must be within [0, 1], "
+                             f"got {self.routing_cache_threshold}")
         self.limit_mm_per_prompt = parse_mm_limit(self.limit_mm_per_prompt)
         self.kv_transfer_config = KVTransferConfig.parse(self.kv_transfer_config)
         if self.kv_transfer_config is not None:

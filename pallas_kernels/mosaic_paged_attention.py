@@ -247,10 +247,13 @@ class _Ring:
             return self.refs[which].at[slot]
         # the codes times their token's scale, in the matmuls' register layout; the buffer's
         # previous chunk has been read (its matmul's result was waited for)
-        x = ops.load(self.refs[which].at[slot], plgpu.Layout.WGMMA).astype(jnp.float32)
         sc = ops.load(self.refs[2 + which].at[slot], plgpu.Layout.WGMMA.reduce(1))
         out = self.refs[4 + which]
-        out[...] = (x * lax.broadcast_in_dim(sc, x.shape, [0])).astype(self.dtype)
+        for j in range(0, self.D, 128):  # past 128 columns, a piece at a time (registers)
+            cols = pl.ds(j, min(128, self.D - j))
+            x = ops.load(self.refs[which].at[slot, :, cols], plgpu.Layout.WGMMA)
+            x = x.astype(jnp.float32)
+            out[:, cols] = (x * lax.broadcast_in_dim(sc, x.shape, [0])).astype(self.dtype)
         plgpu.commit_smem()
         return out
 
@@ -396,10 +399,11 @@ def paged_prefill_tiles(q, pages, layer, tables, meta, *, kv_heads, blocks, bloc
     sequence_scales (pages then hold its int8 / fp8 values). Returns [W, KVH, qt, Gp, D] in
     q's dtype.
 
-    Past a head size of 128 a 128-row tile's accumulator and scores no longer fit in one
+    Past a head size of 128 (of 64 with a quantized cache, whose dequantising stage holds a
+    chunk in registers too) a 128-row tile's accumulator and scores no longer fit in one
     warpgroup's registers: each tile is run as two programs of half its tokens."""
     KVH, Tp, gp, D = q.shape
-    if D > 128 and qt * gp > 64 and qt % 2 == 0:
+    if D > (128 if seq_scales is None else 64) and qt * gp > 64 and qt % 2 == 0:
         W = meta.shape[0]
         half = qt // 2
         start, pos0, nrows = meta[:, 0], meta[:, 1], meta[:, 2]

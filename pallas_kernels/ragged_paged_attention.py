@@ -121,17 +121,21 @@ def flat_pages(kv_cache: jax.Array, block_size: int) -> jax.Array:
 
 
 def _load_pages(pages_ref, ids, width: int):
-    """Pages `ids` of the flat page array, each row padded with zeros to `width` (the next
-    power of two of the head size: Triton's blocks are powers of two); a masked gather when
-    the head size is not one (80, 96...)."""
+    """Pages `ids` of the flat page array, each row padded to `width` (the next power of two
+    of the head size: Triton's blocks are powers of two) when the head size is not one (80,
+    96...): with zeros by a masked gather, or for 8-bit values (whose zero Triton cannot
+    splat) with copies of the last column. Either is harmless: the queries' padded columns
+    are zeros, and the output's are cut off."""
     _, bs, D = pages_ref.shape
     if D == width:
         return pages_ref[ids]
     shape = (ids.shape[0], bs, width)
     row = jax.lax.broadcasted_iota(jnp.int32, shape, 1)
     col = jax.lax.broadcasted_iota(jnp.int32, shape, 2)
-    return pltriton.load(pages_ref.at[ids[:, None, None], row, jnp.minimum(col, D - 1)],
-                         mask=col < D, other=0)
+    at = pages_ref.at[ids[:, None, None], row, jnp.minimum(col, D - 1)]
+    if jnp.dtype(pages_ref.dtype).itemsize == 1:
+        return pltriton.load(at)
+    return pltriton.load(at, mask=col < D, other=0)
 
 
 def _page_scales(scales_ref, k_pages, v_pages, chunk):

@@ -90,7 +90,8 @@ class DataParallelEngine(EngineFront):
             self.info = info
             self.tokenizer, self.inputs, self.structured = front_parts(self.config, info)
             self.router = Router(self.set.size, info["block_size"],
-                                 min(i["num_blocks"] for i in infos), self.config.routing_policy)
+                                 min(i["num_blocks"] for i in infos), self.config.routing_policy,
+                                 cache_threshold=self.config.routing_cache_threshold)
         except BaseException as e:
             if not isinstance(e, ValueError):
                 logger.warning("replica start-up raised", exc_info=True)

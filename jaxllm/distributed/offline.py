@@ -33,7 +33,8 @@ class DataParallelLLMEngine:
         self.tokenizer, self.inputs, self.structured = front_parts(config, self.info)
         self.eos_token_id = self.info["eos_token_id"]
         self.router = Router(self.set.size, self.info["block_size"],
-                             min(i["num_blocks"] for i in infos), config.routing_policy)
+                             min(i["num_blocks"] for i in infos), config.routing_policy,
+                             cache_threshold=config.routing_cache_threshold)
         self._pending: dict[int, list] = {}
         self._batches: dict = {}    # ObjectRef -> (replica, [(request_id, request, decision)])
         self._loras: list = []

@@ -7,6 +7,12 @@ replica, the keys of the prompts it sent there, least recently used first out, a
 many as the replica's KV cache holds. Its picture is approximate (a replica may have evicted
 a block since), which is the price of not asking the replicas at every request.
 
+A prefix only counts when it is a good part of the prompt (`cache_threshold` of its full
+blocks, as SGLang's cache-aware router does): a prompt that shares little more than a short
+system prompt with any replica goes where the load is least, so that a tenant's new
+conversations spread over the replicas instead of all following the one that first cached
+its system prompt (which the others then cache too, at the cost of one short prefill).
+
 Load comes first when it is uneven: a replica whose load (requests in flight, as the router
 counts them, and its KV-cache usage) is well above the least loaded one's gets no new
 request, however much of the prompt it holds, so that one hot prefix cannot swamp its
@@ -53,17 +59,21 @@ class _Replica:
 class Router:
     def __init__(self, num_replicas: int, block_size: int, capacity_blocks: int,
                  policy: str = "prefix", balance_abs: int = 4, balance_rel: float = 1.5,
-                 kv_high: float = 0.9):
+                 kv_high: float = 0.9, cache_threshold: float = 0.3):
         """capacity_blocks: each replica's KV-cache blocks (what the router remembers per
         replica). A replica is out of balance when its in-flight count exceeds the least
         loaded one's by more than `balance_abs` and by more than `balance_rel` times, or when
-        its KV cache is above `kv_high` while another's is not."""
+        its KV cache is above `kv_high` while another's is not. A replica's cached prefix
+        counts when it covers at least `cache_threshold` of the prompt's full blocks."""
         if policy not in POLICIES:
             raise ValueError(f"routing policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         if num_replicas < 1:
             raise ValueError(f"num_replicas must be at least 1, got {num_replicas}")
         self.policy, self.block_size = policy, block_size
+        if not 0.0 <= cache_threshold <= 1.0:
+            raise ValueError(f"cache_threshold must be within [0, 1], got {cache_threshold}")
         self.balance_abs, self.balance_rel, self.kv_high = balance_abs, balance_rel, kv_high
+        self.cache_threshold = cache_threshold
         self.replicas = [_Replica(capacity=capacity_blocks) for _ in range(num_replicas)]
         self._next = 0
 
@@ -141,12 +151,15 @@ class Router:
     def _by_prefix(self, live: list[int], keys: list) -> Decision:
         within = self._balanced(live)
         cached = {i: self.cached_blocks(i, keys) for i in live}
+        enough = lambda n: n > 0 and n >= self.cache_threshold * len(keys)  # noqa: E731
         best = max(within, key=lambda i: (cached[i], -self.replicas[i].in_flight, -i))
-        if cached[best] == 0:  # cached nowhere: the least loaded, then the one caching least
+        if not enough(cached[best]):
+            # cached nowhere, or too little of it: the least loaded, then the one caching least
             best = min(within, key=lambda i: (*self._load(i)[:2], len(self.replicas[i].keys), i))
         # a longer prefix held by a replica out of balance is passed over on purpose
-        reason = ("balance" if cached[best] < max(cached.values()) else
-                  "prefix" if cached[best] > 0 else "least_loaded")
+        most = max(cached.values())
+        reason = ("least_loaded" if not enough(most) else
+                  "balance" if cached[best] < most else "prefix")
         return Decision(best, reason, cached[best], len(keys))
 
     def _routed(self, i: int, keys: list, num_tokens: int) -> None:

@@ -61,6 +61,8 @@ def test_engine_config_checks_replica_options():
         EngineConfig(data_parallel_size=2, data_parallel_backend="mp")
     with pytest.raises(ValueError, match="routing_policy"):
         EngineConfig(data_parallel_size=2, routing_policy="random")
+    with pytest.raises(ValueError, match="routing_cache_threshold"):
+        EngineConfig(data_parallel_size=2, routing_cache_threshold=1.5)
     with pytest.raises(ValueError, match="data_parallel_size must be a positive integer"):
         EngineConfig(data_parallel_size=0)
     assert EngineConfig(data_parallel_size=2, kv_transfer_config=kv).kv_transfer_config.kv_role == "kv_both"

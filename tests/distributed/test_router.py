@@ -47,6 +47,31 @@ def test_same_prefix_same_replica_and_cold_prompts_spread():
             r.finished(d)
 
 
+def test_a_short_shared_prefix_does_not_decide():
+    """A tenant's system prompt alone (under cache_threshold of the prompt) does not pull
+    every new conversation of the tenant onto the replica that cached it first: those
+    spread by load; once a conversation's own history is cached, it stays where it is."""
+    r = Router(2, BS, 1000)
+    system = prompt(5, n_prefix=8)  # 2 blocks, shared by the tenant's conversations
+    convs = [system + prompt(100 + c, n_prefix=0, tail=28, seed=c) for c in range(4)]  # 9 blocks
+    first = [r.route(p) for p in convs]  # all in flight at once; 2 of 9 blocks is under 0.3
+    assert [d.replica for d in first] == [0, 1, 0, 1]
+    assert all(d.reason == "least_loaded" for d in first)
+    assert [d.cached_blocks for d in first] == [0, 0, 2, 2]
+    for d in first:
+        r.finished(d)
+    for c, p in enumerate(convs):  # the next turn: history + reply + new message
+        d = r.route(p + prompt(200 + c, n_prefix=0, tail=8, seed=c))
+        assert d.replica == first[c].replica and d.reason == "prefix" and d.cached_blocks == 9
+        r.finished(d)
+    # with no threshold, the tenant's cached system prompt decides: all go to one replica
+    r = Router(2, BS, 1000, cache_threshold=0.0)
+    homes = [r.route(p).replica for p in convs]
+    assert homes[1:] == [homes[0]] * 3
+    with pytest.raises(ValueError, match="cache_threshold"):
+        Router(2, BS, 1000, cache_threshold=1.5)
+
+
 def test_a_hot_prefix_spills_over_when_out_of_balance():
     r = Router(2, BS, 1000, balance_abs=2, balance_rel=1.5)
     first = r.route(prompt(7, tail=2, seed=0))

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from attention_cases import KERNEL_CASES, check_kernels, make_case
+from attention_cases import KERNEL_CASES, check_kernels, make_case, quantize_cache
 from conftest import covering
 from pallas_kernels.paged_attention_ref import ragged_paged_attention_ref
 from pallas_kernels.ragged_paged_attention import paged_decode, flat_pages, q_tile, ragged_paged_attention
@@ -96,14 +96,17 @@ def test_engine_greedy_identical_with_either_backend(tiny_llama, tiny_llm):
     assert got == want
 
 
-@pytest.mark.parametrize("dtype,head_dim,heads,kv_heads,window,soft_cap", [
-    (jnp.bfloat16, 128, 32, 8, None, None),   # Llama-3-8B's attention shape
-    (jnp.bfloat16, 64, 9, 3, None, None),     # the default model's (GQA 3)
-    (jnp.float32, 64, 8, 8, 16, 30.0),        # f32, no GQA, sliding window, soft cap
-    (jnp.bfloat16, 80, 32, 32, None, None),   # Phi-2's head size: padded to 128 in the kernel
-    (jnp.float32, 96, 28, 4, None, None),     # GQA 7, head size 96
+@pytest.mark.parametrize("dtype,head_dim,heads,kv_heads,window,soft_cap,kv_dtype", [
+    (jnp.bfloat16, 128, 32, 8, None, None, None),   # Llama-3-8B's attention shape
+    (jnp.bfloat16, 64, 9, 3, None, None, None),     # the default model's (GQA 3)
+    (jnp.float32, 64, 8, 8, 16, 30.0, None),        # f32, no GQA, sliding window, soft cap
+    (jnp.bfloat16, 80, 32, 32, None, None, None),   # Phi-2's head size: padded to 128 inside
+    (jnp.float32, 96, 28, 4, None, None, None),     # GQA 7, head size 96
+    (jnp.bfloat16, 128, 32, 8, None, None, "int8"),
+    (jnp.bfloat16, 80, 32, 32, None, None, "fp8"),  # 8-bit pages padded in the gather
 ])
-def test_kernels_lower_for_cuda_through_triton(dtype, head_dim, heads, kv_heads, window, soft_cap):
+def test_kernels_lower_for_cuda_through_triton(dtype, head_dim, heads, kv_heads, window, soft_cap,
+                                               kv_dtype):
     """Without a GPU, lower both kernels for CUDA: they must go through Pallas' Triton path
     (a bare pallas_call picks Mosaic GPU there, which these kernels are not written for) and
     every op in them must have a Triton lowering."""
@@ -111,6 +114,8 @@ def test_kernels_lower_for_cuda_through_triton(dtype, head_dim, heads, kv_heads,
     seqs = [(100, 1), (33, 45), (0, 1), (250, 1)]
     q, cache, layer, md = make_case(seqs, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                                     dtype=dtype, qt=q_tile(heads // kv_heads))
+    if kv_dtype:
+        cache = quantize_cache(cache.astype(jnp.float32), kv_dtype)
     md = jax.tree.map(jnp.asarray, md)
     fn = jax.jit(lambda q, c, md: ragged_paged_attention(q, c, layer, md, head_dim ** -0.5,
                                                          window, soft_cap, interpret=False))
@@ -134,9 +139,10 @@ def test_decode_splits_fill_the_gpu_and_stop():
             assert k == 1 or seqs * kv_heads * (k // 2) < 1024  # no more splits than needed
 
 
-@pytest.mark.parametrize("head_dim", [80, 96])
-def test_head_dims_whose_key_chunk_is_not_a_power_of_two(head_dim):
+@pytest.mark.parametrize("head_dim,kv_dtype", [(80, None), (96, None), (80, "fp8"), (96, "int8")])
+def test_head_dims_whose_key_chunk_is_not_a_power_of_two(head_dim, kv_dtype):
     """f32 at head_dim 80 used to give 3 pages a step, past the end of the (power-of-two)
-    table near max_model_len: keys scored against the wrong pages."""
+    table near max_model_len: keys scored against the wrong pages. 8-bit caches pad their
+    pages' rows with copies of the last column (not zeros): the result must not change."""
     check([(250, 1), (200, 40), (0, 5)], 8, 2, head_dim=head_dim, block_size=16,
-          max_model_len=256)
+          max_model_len=256, kv_dtype=kv_dtype)
