@@ -10,6 +10,11 @@ comparison in one run against real servers, through `jaxllm bench serve`'s load 
   replica caches half of them; in turn, every replica must cache all of them and evicts.
 - scaling: requests/s of 2 replicas against 1 engine at saturation, same machine (on a CPU
   the replicas split its cores: what they share bounds the gain).
+- simulate: the routing workload (or a trace from `jaxllm bench serve --save-trace`) through
+  the server's router on simulated replicas (benchmarks/route_sim.py: the engine's own prefix
+  cache, a modelled step cost), for 1, 2, 4 and 8 replicas and each policy: hit rates and
+  requests/s where that many replicas cannot be had. Its hit rates for 2 replicas sit beside
+  the live routing part's when both run.
 - pd: long prompts arriving while streams decode, prefill/decode split (1 prefill replica +
   1 decode replica) against 2 colocated replicas: the streams' inter-token latency, the long
   prompts' TTFT, and the KV transfer's bytes and rate.
@@ -48,6 +53,17 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "conversation's turns")
     g.add_argument("--routing-cache-blocks", type=int, default=1536,
                    help="KV blocks per replica (--num-gpu-blocks-override) in this part")
+    g = p.add_argument_group("simulate")
+    g.add_argument("--trace", default=None, help="a trace from bench serve --save-trace "
+                   "(default: the routing part's workload)")
+    g.add_argument("--sim-replicas", default="1,2,4,8")
+    g.add_argument("--sim-policies", default="prefix,round_robin,least_loaded")
+    g.add_argument("--sim-prefill-tok-s", type=float, default=20000.0,
+                   help="a replica's prefill rate (default: an 8B model on one H100, about)")
+    g.add_argument("--sim-decode-step-ms", type=float, default=12.0,
+                   help="a decode step's time, whatever the batch")
+    g.add_argument("--sim-concurrency", type=int, default=None,
+                   help="requests in flight (default: --concurrency)")
     g = p.add_argument_group("scaling")
     g.add_argument("--scaling-prompts", type=int, default=96)
     g.add_argument("--scaling-input-len", type=int, default=256)
@@ -241,13 +257,51 @@ def pd(args) -> dict:
     return out
 
 
+def simulate(args) -> dict:
+    from benchmarks import route_sim
+    if args.trace:
+        chains, source = route_sim.load_trace(args.trace), args.trace
+    else:
+        chains = [[(s.prompt_token_ids, s.output_len) for s in chain]
+                  for chain in bench_serve.build_workload(_workload_args(args))]
+        source = "the routing part's workload"
+    costs = route_sim.Costs(prefill_tok_s=args.sim_prefill_tok_s,
+                            decode_step_s=args.sim_decode_step_ms / 1e3)
+    rows = []
+    for n in [int(x) for x in args.sim_replicas.split(",")]:
+        for policy in [x.strip() for x in args.sim_policies.split(",")]:
+            if n == 1 and rows and rows[-1]["replicas"] == 1:
+                continue  # one replica: every policy is the same
+            r = route_sim.simulate(chains, n, policy, args.routing_cache_blocks,
+                                   concurrency=args.sim_concurrency or args.concurrency,
+                                   think_time=args.think_time, costs=costs, seed=args.seed)
+            rows.append(r)
+            print(f"[simulate] {n} replicas, {policy:>12}: cached {r['cached_token_fraction']:.3f}, "
+                  f"{r['request_throughput']:.2f} requests/s, median TTFT "
+                  f"{r['median_ttft_ms']:.0f} ms", flush=True)
+    out = {"source": source, "requests": sum(len(c) for c in chains),
+           "cache_blocks_per_replica": args.routing_cache_blocks,
+           "costs": {"prefill_tok_s": costs.prefill_tok_s, "decode_step_s": costs.decode_step_s},
+           "runs": rows}
+    one = next((r for r in rows if r["replicas"] == 1), None)
+    for r in rows:
+        if one is not None and r is not one:
+            r["request_throughput_vs_one"] = r["request_throughput"] / one["request_throughput"]
+        rr = next((x for x in rows if x["replicas"] == r["replicas"] and x["policy"] == "round_robin"), None)
+        if rr is not None and r["policy"] == "prefix":
+            r["cached_fraction_vs_round_robin"] = (r["cached_token_fraction"]
+                                                   / max(rr["cached_token_fraction"], 1e-9))
+    return out
+
+
 def run(args) -> int:
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
-    unknown = set(parts) - {"routing", "scaling", "pd"}
+    unknown = set(parts) - {"routing", "scaling", "pd", "simulate"}
     if unknown:
-        raise ValueError(f"--parts: unknown {sorted(unknown)} (routing, scaling, pd)")
+        raise ValueError(f"--parts: unknown {sorted(unknown)} (routing, scaling, pd, simulate)")
     result = {"serve_args": shlex.split(args.serve_args), "model": args.model or "default"}
     for part in parts:
-        result[part] = {"routing": routing, "scaling": scaling, "pd": pd}[part](args)
+        result[part] = {"routing": routing, "scaling": scaling, "pd": pd,
+                        "simulate": simulate}[part](args)
     write_result(args, result, "replicas")
     return 0

@@ -53,6 +53,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     o = p.add_argument_group("output")
     o.add_argument("--save-result", action="store_true", help="write the JSON report")
     o.add_argument("--plot", action="store_true", help="PNG plots and a markdown summary")
+    o.add_argument("--save-trace", default=None, metavar="PATH",
+                   help="write the requests as sent (JSON lines: chain, prompt_token_ids, "
+                   "output_len), a trace for `jaxllm bench replicas --parts simulate --trace`")
     o.add_argument("--results-dir", default=os.environ.get("OUT") or "benchmarks/results")
     o.add_argument("--tag", default=None)
 
@@ -110,6 +113,15 @@ def build_workload(args) -> list[list[datasets.Sample]]:
             history += src.tokens(chat.output_len)
         chains.append(chain)
     return chains
+
+
+def save_trace(path: str, chains) -> None:
+    """The workload's requests, a chain's turns in order (images are not kept)."""
+    with open(path, "w") as f:
+        for c, chain in enumerate(chains):
+            for sample in chain:
+                f.write(json.dumps({"chain": c, "prompt_token_ids": list(sample.prompt_token_ids),
+                                    "output_len": sample.output_len}) + "\n")
 
 
 async def one_request(client, url: str, model: str, sample: datasets.Sample, ignore_eos: bool,
@@ -266,6 +278,8 @@ def run(args) -> int:
         r.raise_for_status()
         model = r.json()["data"][0]["id"]
     chains = build_workload(args)
+    if args.save_trace:
+        save_trace(args.save_trace, chains)
     sweep = [int(c) for c in args.max_concurrency.split(",")] if args.max_concurrency else [None]
     runs = []
     for conc in sweep:

@@ -298,9 +298,22 @@ def test_serve_poisson_and_prefix_chat(bench_server, tmp_path):
     run_cli("bench", "serve", "--base-url", bench_server, "--dataset-name", "prefix-chat",
             "--num-prompts", "3", "--num-turns", "2", "--system-len", "40", "--random-input-len", "6",
             "--random-output-len", "4", "--request-rate", "20", "--vocab-size", "40000",
-            "--save-result", "--results-dir", str(tmp_path), "--tag", "chat")
+            "--save-result", "--results-dir", str(tmp_path), "--tag", "chat",
+            "--save-trace", str(tmp_path / "trace.jsonl"))
     r = read_json(tmp_path / "chat.json")
     assert r["runs"][0]["successful_requests"] == 6
+    # the requests as sent, replayed through the router on simulated replicas
+    lines = [json.loads(x) for x in open(tmp_path / "trace.jsonl")]
+    assert [x["chain"] for x in lines] == [0, 0, 1, 1, 2, 2]
+    assert lines[1]["prompt_token_ids"][:len(lines[0]["prompt_token_ids"])] == lines[0]["prompt_token_ids"]
+    run_cli("bench", "replicas", "--parts", "simulate", "--trace", str(tmp_path / "trace.jsonl"),
+            "--sim-replicas", "1,2", "--sim-policies", "prefix,round_robin", "--think-time", "0.5",
+            "--routing-cache-blocks", "64", "--results-dir", str(tmp_path), "--tag", "sim")
+    sim = read_json(tmp_path / "sim.json")["simulate"]
+    assert sim["requests"] == 6 and sim["source"].endswith("trace.jsonl")
+    assert [(x["replicas"], x["policy"]) for x in sim["runs"]] == [
+        (1, "prefix"), (2, "prefix"), (2, "round_robin")]
+    assert all(x["requests"] == 6 and 0 <= x["cached_token_fraction"] <= 1 for x in sim["runs"])
     # an unreachable server: every request fails, and the report says so
     run_cli("bench", "serve", "--base-url", "http://127.0.0.1:9", "--model", "m", "--num-prompts", "2",
             "--save-result", "--results-dir", str(tmp_path), "--tag", "down")

@@ -156,3 +156,33 @@ def test_hit_rates_per_replica():
     r.finished(d, num_cached_tokens=12)
     s = r.stats()[d.replica]
     assert s["routed"] == 1 and s["prompt_tokens"] == 18 and s["cached_tokens"] == 12
+
+
+def test_simulated_replicas_over_a_chat_trace():
+    """benchmarks/route_sim.py: the router and the engine's prefix cache on simulated
+    replicas. Conversations re-sending their history find it cached when routed by prefix
+    and only sometimes in turn; one replica whose cache holds every history finds it all."""
+    from benchmarks.route_sim import simulate
+    rng = random.Random(0)
+    chains = []
+    for c in range(12):
+        history, chain = [], []
+        for _ in range(4):
+            history = history + [rng.randrange(1, 50_000) for _ in range(64)]
+            chain.append((list(history), 8))
+            history = history + [rng.randrange(1, 50_000) for _ in range(8)]
+        chains.append(chain)
+    runs = {p: simulate(chains, 2, p, cache_blocks=4096, concurrency=4, think_time=1.0)
+            for p in ("prefix", "round_robin")}
+    assert all(r["requests"] == 48 for r in runs.values())
+    # turn t's prompt starts with turn t - 1's, whose full blocks the cache holds (the reply
+    # after it is the trace's, not what the replica generated)
+    prompts = [[len(p) for p, _ in chain] for chain in chains]
+    ideal = sum(n // 16 * 16 for lens in prompts for n in lens[:-1])
+    prompts = sum(map(sum, prompts))
+    assert runs["prefix"]["cached_token_fraction"] == pytest.approx(ideal / prompts, abs=0.02)
+    assert runs["round_robin"]["cached_token_fraction"] < 0.8 * runs["prefix"]["cached_token_fraction"]
+    one = simulate(chains, 1, "prefix", cache_blocks=4096, concurrency=4, think_time=1.0)
+    assert one["cached_token_fraction"] == pytest.approx(runs["prefix"]["cached_token_fraction"], abs=0.02)
+    with pytest.raises(ValueError, match="does not fit"):
+        simulate([[([1] * 200, 4)]], 1, "prefix", cache_blocks=8)
