@@ -3,7 +3,8 @@
 # their references), the kernel benchmark, and the latency, throughput and serving benchmarks on
 # a Llama-3-8B-shaped model with random bf16 weights (gpu_memory_utilization 0.9).
 # Results go under benchmarks/results, or, when OUT is set (the device tool brings $OUT back),
-# into one archive in $OUT that is refreshed after every step. SUITE_MODEL / SUITE_SCALE=small shrink it for a dry run on a CPU.
+# into one archive in $OUT that is refreshed after every step. SUITE_MODEL / SUITE_SCALE=small shrink it for a dry run on a CPU
+# (tests/benchmarks/test_gpu_suite.py runs the engine stages so in CI).
 # Stages can be named to run a part (the device tool stops a command after 10 minutes, and the
 # compilation cache under .cache/ carries over between calls on a warm machine):
 #   benchmarks/gpu_suite.sh [tests] [kernels] [latency] [host] [throughput] [serve] [startup]   (default: all)
@@ -19,7 +20,8 @@ if ls .whl/*.whl > /dev/null 2>&1; then
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
-RESULTS="${OUT:+/tmp/gpu_suite_results}"
+# SUITE_RESULTS: where the results go before they are archived (a dry run's own folder)
+RESULTS="${SUITE_RESULTS:-${OUT:+/tmp/gpu_suite_results}}"
 RESULTS="${RESULTS:-benchmarks/results}"
 mkdir -p "$RESULTS"
 MODEL="${SUITE_MODEL:-benchmarks/configs/llama-3-8b}"
