@@ -47,6 +47,7 @@ KERNEL_SHAPES = [  # (name, dtype, heads, kv_heads, head_dim, sliding window, so
     ("gemma-2-9b", "bfloat16", 16, 8, 256, 4096, 50.0),
     # quantized caches (bf16 queries): int8 / fp8 values and a scale per token and head
     ("llama-3-8b int8 cache", "int8", 32, 8, 128, None, None),
+    ("llama-3.2-1b int8 cache", "int8", 32, 8, 64, None, None),
     ("phi-2 fp8 cache", "fp8", 32, 32, 80, None, None),
     ("gemma-2-9b int8 cache", "int8", 16, 8, 256, 4096, 50.0),
 ]

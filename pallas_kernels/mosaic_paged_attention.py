@@ -399,11 +399,11 @@ def paged_prefill_tiles(q, pages, layer, tables, meta, *, kv_heads, blocks, bloc
     sequence_scales (pages then hold its int8 / fp8 values). Returns [W, KVH, qt, Gp, D] in
     q's dtype.
 
-    Past a head size of 128 (of 64 with a quantized cache, whose dequantising stage holds a
-    chunk in registers too) a 128-row tile's accumulator and scores no longer fit in one
-    warpgroup's registers: each tile is run as two programs of half its tokens."""
+    Past a head size of 128 (at any head size with a quantized cache, whose dequantising
+    stage holds a chunk in registers too) a 128-row tile's accumulator and scores no longer
+    fit in one warpgroup's registers: each tile is run as two programs of half its tokens."""
     KVH, Tp, gp, D = q.shape
-    if D > (128 if seq_scales is None else 64) and qt * gp > 64 and qt % 2 == 0:
+    if (D > 128 or seq_scales is not None) and qt * gp > 64 and qt % 2 == 0:
         W = meta.shape[0]
         half = qt // 2
         start, pos0, nrows = meta[:, 0], meta[:, 1], meta[:, 2]
