@@ -4,7 +4,7 @@
 # a Llama-3-8B-shaped model with random bf16 weights (gpu_memory_utilization 0.9).
 # Results go under benchmarks/results, or, when OUT is set (the device tool brings $OUT back),
 # into one archive in $OUT that is refreshed after every step. SUITE_MODEL / SUITE_SCALE=small shrink it for a dry run on a CPU
-# (tests/benchmarks/test_gpu_suite.py runs the engine stages so in CI).
+# (tests/benchmarks/test_gpu_suite.py runs the latency, host, throughput and serve stages so in CI).
 # Stages can be named to run a part (the device tool stops a command after 10 minutes, and the
 # compilation cache under .cache/ carries over between calls on a warm machine):
 #   benchmarks/gpu_suite.sh [tests] [kernels] [latency] [host] [throughput] [serve] [startup]   (default: all)
@@ -37,12 +37,15 @@ want() { [[ " $STAGES " == *" $1 "* ]]; }
 
 if [ "${SUITE_SCALE:-full}" = small ]; then
   MAX_LEN=256
+  # a small KV cache too: a dry run shares its machine (CI runs it beside other tests)
+  KV=(--kv-cache-memory-bytes 67108864)
   ENGINE=(--model "$MODEL" --load-format dummy --max-model-len "$MAX_LEN" --max-num-seqs 8
-          --max-num-batched-tokens 64)
+          --max-num-batched-tokens 64 "${KV[@]}")
   N_THROUGHPUT=8; N_SERVE=8; CONC=1,4; BATCH=4; KGRID=small; IN_LEN=64; OUT_LEN=16
-  HOST=(--max-model-len "$MAX_LEN" --max-num-seqs 8 --max-num-batched-tokens 64); HOST_BATCH=4,8
+  HOST=(--max-model-len "$MAX_LEN" --max-num-seqs 8 --max-num-batched-tokens 64 "${KV[@]}")
+  HOST_BATCH=4,8
   STARTUP=(--max-model-len "$MAX_LEN" --max-num-seqs 4 --max-num-batched-tokens 32
-           --warm-runs 1 --load-runs 1)  # the default model: GGUF vs Orbax
+           --warm-runs 1 --load-runs 1 "${KV[@]}")  # the default model: GGUF vs Orbax
 else
   MAX_LEN=4096
   ENGINE=(--model "$MODEL" --load-format dummy --dtype bfloat16 --gpu-memory-utilization 0.9

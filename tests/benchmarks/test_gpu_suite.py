@@ -1,8 +1,9 @@
 """benchmarks/gpu_suite.sh, the one script a GPU lease runs, dry-run on the CPU at small scale
-so that it cannot rot unnoticed between leases. Its kernel stages are left out here: the
-kernel tests and test_bench's kernels test run the same code in CI."""
+so that it cannot rot unnoticed between leases. Its kernel stages are left out here (the
+kernel tests and test_bench's kernels test run the same code in CI), and so is its start-up
+stage (test_orbax runs bench startup): both are the heaviest on a CI machine that runs this
+beside other tests."""
 import glob
-import json
 import os
 import subprocess
 import tarfile
@@ -10,7 +11,7 @@ import tarfile
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-STAGES = ["latency", "host", "throughput", "serve", "startup"]
+STAGES = ["latency", "host", "throughput", "serve"]
 
 
 @pytest.mark.slow
@@ -29,23 +30,9 @@ def test_engine_stages_run_and_archive_their_reports(tmp_path):
         t.extractall(tmp_path / "x", filter="data")
     # a report per stage (the serving stage's also has its server's log and plots)
     for kind in ("latency_2", "latency_host_smollm2-135m_", "throughput_sharegpt_",
-                 "serve_sharegpt_", "startup_"):
+                 "serve_sharegpt_"):
         assert any(n.startswith(kind) and n.endswith(".json") for n in names), (kind, names)
     log = next(n for n in names if n.startswith("gpu_suite_") and n.endswith(".log"))
     text = open(tmp_path / "x" / log).read()
     assert text.count(": exit 0 after") == len(STAGES) and ": exit 1" not in text
 
-    # the start-up stage: the default model from its GGUF and from Orbax, cold and warm
-    (path,) = glob.glob(str(tmp_path / "x" / "startup_*.json"))
-    s = json.load(open(path))
-    assert "jaxllm bench startup" in s["command"] and s["convert_s"] > 0
-    shapes = {s["starts"][fmt][kind]["step_shapes"] if kind == "cold" else
-              s["starts"][fmt][kind][0]["step_shapes"] for fmt in ("source", "orbax") for kind in ("cold", "warm")}
-    assert len(shapes) == 1 and shapes.pop() >= 1  # the same engine from either checkpoint
-    for fmt in ("source", "orbax"):
-        cold, warm = s["starts"][fmt]["cold"], s["starts"][fmt]["warm"][0]
-        for run in (cold, warm):
-            assert run["ready_s"] >= run["engine_s"] >= run["load_s"] + run["compile_s"] > 0
-            assert run["compiles_after_warmup"] == 0
-    assert s["ratio_orbax_vs_source"]["weight_load"] == pytest.approx(
-        s["weight_load_s"]["orbax"]["median"] / s["weight_load_s"]["source"]["median"])

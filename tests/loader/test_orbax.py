@@ -353,3 +353,26 @@ def test_random_checkpoint_loads_as_its_config(tmp_path, tiny_llama):
     assert got.arch == ref.arch and got.tokenizer is not None
     assert [x.shape for x in jax.tree.leaves(got.state)] == [x.shape for x in jax.tree.leaves(ref.state)]
     assert float(jnp.std(got.state["layers"]["w_down"][...].astype(jnp.float32))) > 0.01
+
+
+@pytest.mark.slow
+def test_bench_startup_reports_source_and_orbax(tiny_llama, tmp_path):
+    assert main(["bench", "startup", "--model", tiny_llama, "--max-num-seqs", "2",
+                 "--max-num-batched-tokens", "16", "--max-model-len", "64", "--warm-runs", "1",
+                 "--load-runs", "1", "--results-dir", str(tmp_path), "--tag", "s"]) == 0
+    with open(tmp_path / "s.json") as f:
+        r = json.load(f)
+    assert "jaxllm bench startup" in r["command"] and r["convert_s"] > 0
+    shapes = {r["starts"][fmt][kind]["step_shapes"] if kind == "cold" else
+              r["starts"][fmt][kind][0]["step_shapes"] for fmt in ("source", "orbax") for kind in ("cold", "warm")}
+    assert len(shapes) == 1 and shapes.pop() >= 1  # the same engine from either checkpoint
+    for fmt in ("source", "orbax"):
+        cold, warm = r["starts"][fmt]["cold"], r["starts"][fmt]["warm"][0]
+        for run in (cold, warm):
+            assert run["ready_s"] >= run["engine_s"] >= run["load_s"] + run["compile_s"] > 0
+            assert run["compiles_after_warmup"] == 0
+        assert r["weight_load_s"][fmt]["n"] == 1
+    ratio = r["ratio_orbax_vs_source"]
+    assert ratio["weight_load"] == pytest.approx(r["weight_load_s"]["orbax"]["median"]
+                                                 / r["weight_load_s"]["source"]["median"])
+    assert ratio["cold_ready"] > 0 and ratio["warm_ready"] > 0
