@@ -72,9 +72,8 @@ def _case(batch: int, ctx: int, q_len: int, args, dtype, on_gpu: bool, seed: int
     key = jax.random.key(seed)
     cache = jax.random.normal(key, (1, 2, args.kv_heads, num_blocks * bs, args.head_dim), dtype)
     q = jax.random.normal(key, (T, args.heads, args.head_dim), dtype)
-    store = kvq.storage_dtype(args.kv_cache_dtype)
-    if store is not None:
-        cache = kvq.QuantizedKV(*kvq._quantize(cache, store))
+    if kvq.storage_dtype(args.kv_cache_dtype) is not None:
+        cache = kvq.quantize(cache, args.kv_cache_dtype)
     return q, cache, jax.tree.map(jnp.asarray, md), jax.tree.map(jnp.asarray, md_xla)
 
 

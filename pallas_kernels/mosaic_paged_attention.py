@@ -24,8 +24,8 @@ Quantized caches (int8 or fp8 e4m3 values, a float32 scale per token and KV head
 holds the 8-bit pages as they are (half the bytes to copy) and each chunk's scales; a
 dequantising stage turns the chunk into bf16 (fp16 for fp16 queries) in a shared-memory
 buffer (values times their token's scale, in the warpgroup matmul's register layout) that
-the matmuls then read as they read a bf16 ring. The scales are gathered per sequence before the kernels
-(`sequence_scales`): one page's alone are fewer bytes than a TMA copy moves.
+the matmuls then read as they read a bf16 ring. The scales are gathered per sequence before
+the kernels (`sequence_scales`): one page's alone are fewer bytes than a TMA copy moves.
 
 On a CPU the kernels run in Mosaic GPU's interpret mode (`interpret_params`), which simulates
 shared memory, the TMA engine and barriers. It has no wgmma for a transposed or register

@@ -154,7 +154,8 @@ class Metrics:
                 "routed": Counter("jaxllm:router_requests", "Requests the router sent to the "
                                   "replica, by why it was chosen: prefix (the longest cached "
                                   "prefix), balance (a longer prefix sat on a busier replica), "
-                                  "least_loaded (cached nowhere, or too little of the prompt), round_robin.",
+                                  "least_loaded (cached nowhere, or too little of the "
+                                  "prompt), round_robin.",
                                   [*labels, "reason"], registry=r),
                 "expected": Counter("jaxllm:router_expected_cached_tokens", "Prompt tokens the "
                                     "router expected the replica to hold in its prefix cache.",

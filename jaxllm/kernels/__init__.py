@@ -44,8 +44,8 @@ def attention_backend(requested: str, platform: str, cache_dtype, quantized_valu
 
     "auto" is "pallas" on a GPU, the CPU kernels (or XLA's ops) elsewhere. "pallas" is the
     Mosaic GPU kernels where they apply (a Hopper or later GPU, or a CPU, where they run in
-    their interpreter; bf16/fp16, or int8/fp8 values read into bf16/fp16), the Triton kernels otherwise. Asking for
-    "pallas-mosaic" where it does not apply is an error. cache_dtype: the float dtype the
+    their interpreter; bf16/fp16 caches, or int8/fp8 values read into bf16/fp16), the Triton
+    kernels otherwise. Asking for "pallas-mosaic" where it does not apply is an error. cache_dtype: the float dtype the
     attention computes in; quantized_values: an int8 / fp8 cache's values' dtype, or None."""
     if requested == "auto":
         if platform != "gpu":

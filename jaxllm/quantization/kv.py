@@ -113,6 +113,12 @@ def _quantize(x: jax.Array, store):
     return y.astype(store), s
 
 
+def quantize(cache: jax.Array, kv_dtype: str) -> QuantizedKV:
+    """A whole float cache as an int8 / fp8 one (a scale per token and head), as write()
+    would have stored it token by token."""
+    return QuantizedKV(*_quantize(cache, storage_dtype(kv_dtype)))
+
+
 def _values(data: jax.Array) -> jax.Array:
     """A quantized cache's values in their own dtype (fp8 bytes read as fp8)."""
     return jax.lax.bitcast_convert_type(data, jnp.float8_e4m3fn) if data.dtype == FP8_BITS else data
