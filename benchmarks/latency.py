@@ -49,6 +49,9 @@ class _Recorder:
         # the garbage collector's pauses on the engine's thread: full collections and the
         # seconds of all of them (the loop stalls while one runs)
         self.gc_full, self.gc_seconds, self._gc_start = 0, 0.0, 0.0
+        # this recorder's own CPU seconds on the engine's thread (its checks and records): not
+        # the host's work, left out of the host CPU per step
+        self.own_cpu = 0.0
 
         def collected(phase, info):
             if phase == "start":
@@ -60,32 +63,43 @@ class _Recorder:
         gc.callbacks.append(collected)
 
         def launch(fn, *a, **kw):
+            t = time.thread_time()
             if self._last is not None:
                 # (outputs a later executable took as donated inputs were followed by work)
                 ready = [x.is_ready() for x in self._last if not x.is_deleted()]
                 self.launched += 1
                 self.found_idle += bool(ready) and all(ready)
+            self.own_cpu += time.thread_time() - t
             out = fn(*a, **kw)
-            self._last = [x for x in jax.tree.leaves(out) if isinstance(x, jax.Array)]
+            keep(out)
             return out
+
+        def keep(out):
+            t = time.thread_time()
+            self._last = [x for x in jax.tree.leaves(out) if isinstance(x, jax.Array)]
+            self.own_cpu += time.thread_time() - t
 
         def whole(md) -> bool:
             tokens = int(md.query_start_loc[-1])
             return tokens == self.batch and int((md.seq_lens > 0).sum()) == self.batch
 
         def run(shape, inputs, *a, **kw):
+            t = time.thread_time()
             if whole(inputs[1]):
                 self.steps.append((shape, inputs, None))
+            self.own_cpu += time.thread_time() - t
             return launch(self._run, shape, inputs, *a, **kw)
 
         def run_passes(shape, inputs, num, *a, **kw):
+            t = time.thread_time()
             if whole(inputs[1]) and (num[:self.batch] == runner.num_passes).all():
                 self.steps.append((shape, inputs, num))
+            self.own_cpu += time.thread_time() - t
             return launch(self._run_passes, shape, inputs, num, *a, **kw)
 
         def sample(*a, **kw):  # sampling follows its forward pass at once: not a new step
             out = self._sample(*a, **kw)
-            self._last = [x for x in jax.tree.leaves(out) if isinstance(x, jax.Array)]
+            keep(out)
             return out
         runner.run_forward, runner.run_passes, runner.run_sample = run, run_passes, sample
 
@@ -130,24 +144,30 @@ def _run_batch(engine, requests, recorder=None) -> tuple[float, float, int, floa
     The CPU seconds are the host's own work (waiting on the device takes none): on a CPU,
     whose cores also run the step, that is what the host takes from the device. Last: the
     steps launched in that phase, how many of them found the device idle, and the garbage
-    collector's full collections and seconds in it (`recorder`)."""
+    collector's full collections and seconds in it, and the recorder's own CPU seconds
+    (`recorder`), which the caller takes out of the host's."""
     from jaxllm import SamplingParams
+    from jaxllm.sampling_params import RequestOutputKind
 
     for rid, prompt, n_out in requests:
+        # each step's new tokens, as the server streams them (a cumulative output would
+        # copy every token so far at every step)
         engine.add_request(rid, {"prompt_token_ids": prompt},
-                           SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True))
+                           SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True,
+                                          output_kind=RequestOutputKind.DELTA))
     waiting = {rid for rid, _, _ in requests}
 
     def launches():
         if recorder is None:
-            return (0, 0, 0, 0.0)
-        return (recorder.launched, recorder.found_idle, recorder.gc_full, recorder.gc_seconds)
+            return (0, 0, 0, 0.0, 0.0)
+        return (recorder.launched, recorder.found_idle, recorder.gc_full, recorder.gc_seconds,
+                recorder.own_cpu)
 
     start = time.perf_counter()
     first = steps_at_first = last = steps_at_last = cpu_first = cpu_last = None
     while engine.has_unfinished_requests():
         for out in engine.step():
-            if out.outputs[0].token_ids:
+            if out.outputs and out.outputs[0].token_ids:
                 waiting.discard(out.request_id)
             if out.finished and last is None and first is not None:
                 last, steps_at_last = time.perf_counter(), engine.runner.num_passes_collected
@@ -200,7 +220,7 @@ def run(args) -> int:
     count = 0
     for batch in sizes:
         recorder.batch = batch
-        ttft, steps, e2e, host_cpu, launches = [], [], [], [], [0, 0, 0, 0.0]
+        ttft, steps, e2e, host_cpu, launches = [], [], [], [], [0, 0, 0, 0.0, 0.0]
         for it in range(args.num_iters_warmup + args.num_iters):
             reqs = []
             for _ in range(batch):
@@ -215,7 +235,7 @@ def run(args) -> int:
             if it >= args.num_iters_warmup and n > 0:
                 ttft.append(t_first)
                 steps.append(decode / n)
-                host_cpu.append(cpu / n)
+                host_cpu.append((cpu - counts[4]) / n)  # (less the recorder's own work)
                 launches = [a + b for a, b in zip(launches, counts)]
                 e2e.append(time.perf_counter() - t0 - t_first)
         # a step that decoded the whole batch, replayed: the device's time alone

@@ -23,7 +23,8 @@ def add_args(p):
     p.add_argument("--after", default="HEAD", help="the revision measured against it")
     p.add_argument("--pairs", type=int, default=2, help="before/after runs, alternated")
     p.add_argument("--metric", default="jaxllm.output_tokens_per_s",
-                   help="the result field compared, dotted")
+                   help="the result field compared, dotted; several: comma-separated (the "
+                        "first is the headline)")
     p.add_argument("--results-dir", default="benchmarks/results")
     p.add_argument("--tag", default=None, help="name of the result file")
     p.add_argument("bench", nargs="+",
@@ -61,7 +62,8 @@ def run(args):
     try:
         for side, rev in (("before", args.before), ("after", args.after)):
             trees[side] = _worktree(repo, rev, root, side)
-        runs: dict[str, list[float]] = {"before": [], "after": []}
+        metrics = args.metric.split(",")
+        runs = {m: {"before": [], "after": []} for m in metrics}
         results: dict[str, list[dict]] = {"before": [], "after": []}
         for i in range(args.pairs):
             for side in ("before", "after"):
@@ -75,19 +77,26 @@ def run(args):
                 subprocess.run(cmd, cwd=path, env=env, check=True)
                 with open(os.path.join(out, f"{tag}.json")) as f:
                     res = json.load(f)
-                runs[side].append(_field(res, args.metric))
+                for m in metrics:
+                    runs[m][side].append(_field(res, m))
                 results[side].append(res)
-        medians = {side: statistics.median(v) for side, v in runs.items()}
-        result = {
-            "benchmark": " ".join(["jaxllm", "bench", *map(shlex.quote, args.bench)]),
-            "metric": args.metric,
-            "before": {"revision": trees["before"][0], "runs": runs["before"], "median": medians["before"]},
-            "after": {"revision": trees["after"][0], "runs": runs["after"], "median": medians["after"]},
-            "after_over_before": medians["after"] / medians["before"],
-            "results": results,
-        }
-        print(f"{args.metric}: before {medians['before']:.2f}, after {medians['after']:.2f}, "
-              f"after/before {result['after_over_before']:.3f}")
+        compared = []
+        for m in metrics:
+            medians = {side: statistics.median(v) for side, v in runs[m].items()}
+            compared.append({
+                "metric": m,
+                "before": {"revision": trees["before"][0], "runs": runs[m]["before"],
+                           "median": medians["before"]},
+                "after": {"revision": trees["after"][0], "runs": runs[m]["after"],
+                          "median": medians["after"]},
+                "after_over_before": medians["after"] / medians["before"]})
+            print(f"{m}: before {medians['before']:.4g}, after {medians['after']:.4g}, "
+                  f"after/before {compared[-1]['after_over_before']:.3f}")
+        # the first metric's comparison at the top, as with one metric
+        result = {"benchmark": " ".join(["jaxllm", "bench", *map(shlex.quote, args.bench)]),
+                  **compared[0], "results": results}
+        if len(compared) > 1:
+            result["compared"] = compared
         write_result(args, result, "revisions")
     finally:
         for _, path in trees.values():

@@ -155,13 +155,17 @@ def test_revisions(tiny_llama, tmp_path, capsys):
                           check=True).stdout.strip()
     trees = subprocess.run(["git", "worktree", "list"], capture_output=True, text=True).stdout
     run_cli("bench", "revisions", "--before", "HEAD", "--after", head, "--pairs", "1",
-            "--metric", "text_chars", "--results-dir", str(tmp_path), "--tag", "rev", "--",
-            "detok", "--model", tiny_llama, "--num-tokens", "300", "--window", "100")
+            "--metric", "text_chars,num_tokens", "--results-dir", str(tmp_path), "--tag", "rev",
+            "--", "detok", "--model", tiny_llama, "--num-tokens", "300", "--window", "100")
     r = read_json(tmp_path / "rev.json")
     assert r["before"]["revision"] == r["after"]["revision"] == head
     assert len(r["before"]["runs"]) == len(r["after"]["runs"]) == 1
-    assert r["before"]["runs"][0] == r["after"]["runs"][0] > 300
+    assert r["metric"] == "text_chars" and r["before"]["runs"][0] == r["after"]["runs"][0] > 300
     assert r["after_over_before"] == 1.0 and r["benchmark"].startswith("jaxllm bench detok")
+    # each metric compared; the first one is also the result's headline
+    assert [c["metric"] for c in r["compared"]] == ["text_chars", "num_tokens"]
+    assert r["compared"][0]["before"] == r["before"]
+    assert r["compared"][1]["before"]["runs"] == r["compared"][1]["after"]["runs"] == [300.0]
     assert [len(r["results"][side]) for side in ("before", "after")] == [1, 1]
     assert subprocess.run(["git", "worktree", "list"], capture_output=True, text=True).stdout == trees
     assert main(["bench", "revisions", "--before", "HEAD", "--metric", "no.such", "--results-dir",
