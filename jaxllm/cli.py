@@ -102,6 +102,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--huge-pages", action=argparse.BooleanOptionalAction, default=None,
                    help="transparent huge pages under a CPU engine's weights and KV cache "
                         "(default on)")
+    g.add_argument("--freeze-gc-heap", action=argparse.BooleanOptionalAction, default=True,
+                   help="collect and freeze the Python heap once the engine is ready, so that "
+                        "garbage collections between steps skip the model's objects (default on)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
     g.add_argument("--limit-mm-per-prompt", default=None, metavar="JSON",
                    help="a vision-language model: the most images per prompt, e.g. "

@@ -108,6 +108,12 @@ class EngineConfig:
     int4_activations: str = "float"
     # transparent huge pages under a CPU engine's weights and KV cache
     huge_pages: bool = True
+    # once started, the engine collects garbage and freezes the heap (gc.freeze): Python's
+    # full collections then skip the millions of objects of the loaded model and compiled
+    # steps, which otherwise make them long pauses between steps. Off by default in Python
+    # (a process that builds several engines keeps a frozen engine's cycles until
+    # gc.unfreeze); on for `jaxllm serve` and `jaxllm bench`
+    freeze_gc_heap: bool = False
     tensor_parallel_size: int = 1
     # a mixture-of-experts model's experts split whole over the tensor-parallel devices
     # (expert parallelism) instead of each expert's hidden columns
@@ -246,7 +252,7 @@ class EngineConfig:
             raise ValueError(f"matmul_backend must be one of {MATMUL_BACKENDS}, "
                              f"got {self.matmul_backend!r}")
         validate_int4_activations(self.int4_activations)
-        for name in ("cpu_kernels", "cpu_amx", "huge_pages", "executable_cache",
+        for name in ("cpu_kernels", "cpu_amx", "huge_pages", "freeze_gc_heap", "executable_cache",
                      "enable_prefix_caching", "async_scheduling", "enable_lora", "warmup",
                      "compile_in_background", "skip_tokenizer_init",
                      "structured_outputs_allow_additional_properties"):

@@ -68,8 +68,10 @@ def _collect_module_engines():
     """The engines a finished module's fixtures held are collected before the next module
     builds its own. Each compiled XLA:CPU executable maps ~60 memory regions; past the
     process's limit (vm.max_map_count, 65,530 by default) XLA cannot map compiled code, and
-    the failed compile crashes the process."""
+    the failed compile crashes the process. A frozen heap (freeze_gc_heap, on for the CLI's
+    engines) is unfrozen first, or its engines' cycles would never be collected."""
     yield
+    gc.unfreeze()
     gc.collect()
 
 

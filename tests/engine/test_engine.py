@@ -306,3 +306,33 @@ def test_warns_near_the_memory_map_limit(caplog):
         assert near_memory_map_limit(limit=100)  # any process with JAX loaded holds more
     assert "vm.max_map_count" in caplog.text
 
+
+
+def test_freeze_gc_heap_freezes_what_start_up_left(tiny_llama):
+    """freeze_gc_heap: once ready, the engine's start-up objects sit in the permanent
+    generation (full collections skip them) and it generates as without; the CLI's engines
+    freeze by default, Python's do not."""
+    import argparse
+    import gc
+
+    from jaxllm.cli import add_engine_args, engine_config_from_args
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert engine_config_from_args(p.parse_args([])).freeze_gc_heap is True
+    assert engine_config_from_args(p.parse_args(["--no-freeze-gc-heap"])).freeze_gc_heap is False
+    with pytest.raises(ValueError, match="freeze_gc_heap"):
+        LLM(tiny_llama, freeze_gc_heap="yes", **SMALL_ENGINE)
+    gc.unfreeze()
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    plain = LLM(tiny_llama, **SMALL_ENGINE)
+    assert gc.get_freeze_count() == 0
+    expected = plain.generate(["Hi there"], params)[0].outputs[0].token_ids
+    try:
+        frozen = LLM(tiny_llama, freeze_gc_heap=True, **SMALL_ENGINE)
+        # the engine's own objects are among the frozen ones: collections do not see them
+        scheduler = frozen.llm_engine.scheduler
+        assert gc.get_freeze_count() > 0
+        assert not any(o is scheduler for o in gc.get_objects())
+        assert frozen.generate(["Hi there"], params)[0].outputs[0].token_ids == expected
+    finally:
+        gc.unfreeze()
