@@ -154,13 +154,21 @@ class KVCacheManager:
         prefix cache at once: the step that computes them runs before anyone can read them
         (speculated tokens are not known, so their blocks wait until they are accepted).
         `num_lookahead_tokens` more slots are held for a draft model's proposals."""
+        if not computed_blocks:  # most decode steps: the slots are held already
+            blocks = self.req_to_blocks.get(request.request_id)
+            total = request.num_computed_tokens + num_new_tokens
+            if blocks and total + num_lookahead_tokens <= len(blocks) * self.block_size:
+                if (self.enable_caching and total >= (
+                        self._num_cached_blocks.get(request.request_id, 0) + 1) * self.block_size):
+                    self._cache_full_blocks(request, total)  # (a block filled up)
+                return []
         computed_blocks = computed_blocks or []
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         total = (request.num_computed_tokens + len(computed_blocks) * self.block_size
                  + num_new_tokens)
         need = (cdiv(total + num_lookahead_tokens, self.block_size) - len(blocks)
                 - len(computed_blocks))
-        if need <= 0 and not computed_blocks:  # most decode steps: the slots are held already
+        if need <= 0 and not computed_blocks:
             self._cache_full_blocks(request, total)
             return []
         if max(need, 0) > self.pool.num_free_if_touched(computed_blocks):

@@ -281,12 +281,18 @@ class Scheduler:
             self.running.sort(key=self._order)
 
         # running requests first, most important first; the least important yields blocks
-        i = 0
+        i, max_len = 0, self.max_model_len
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_known = req.num_tokens_with_placeholders - req.num_computed_tokens
             in_flight = req.num_output_placeholders
-            left = self._tokens_left(req) if in_flight or passes > 1 else 0
+            num_known = len(req.all_token_ids) + in_flight - req.num_computed_tokens
+            left = 0
+            if in_flight or passes > 1:  # (_tokens_left, inline: per request per step)
+                num_all = num_known + req.num_computed_tokens
+                left = max_len - num_all
+                limit = req.sampling_params.max_tokens
+                if limit is not None and limit - num_all + len(req.prompt_token_ids) < left:
+                    left = limit - num_all + len(req.prompt_token_ids)
             if num_known <= 0 or (in_flight and left <= 0):  # (its length limits are reached)
                 i += 1  # nothing to compute until its tokens in flight are known
                 continue
@@ -305,7 +311,8 @@ class Scheduler:
                 room = min(self._tokens_left(req) - 1,
                            budget - num_known - (len(self.running) - i - 1))
                 num_new += max(0, min(len(req.spec_token_ids), room))
-            lookahead = self._lookahead(req.num_computed_tokens + num_new)
+            lookahead = (self._lookahead(req.num_computed_tokens + num_new)
+                         if self.num_lookahead_tokens else 0)
             while True:
                 blocks = self.kv.allocate_slots(req, num_new, num_lookahead_tokens=lookahead)
                 if blocks is not None:
@@ -383,29 +390,35 @@ class Scheduler:
         finished = self._finished_ids | {r.request_id for r in preempted}
         # before the lists: a finished id may come back at once as a new request
         self._known_to_runner -= finished
-        new_reqs, cached_reqs, sampling, spec = [], [], set(), {}
+        new_reqs, cached_reqs, sampling, spec, scheduled = [], [], set(), {}, {}
+        known = self._known_to_runner
         for req in self.running:
             rid = req.request_id
             n = num_scheduled.get(rid)
             if n is None:
                 req.spec_token_ids = []
                 continue
+            scheduled[rid] = req
             start = req.num_computed_tokens
-            # (a multi-step call's tokens past the first are the request's own placeholders)
-            num_spec = start + n - req.num_tokens_with_placeholders if passes == 1 else 0
-            if num_spec > 0:
-                spec[rid] = req.spec_token_ids[:num_spec]
+            end = start + n
+            # (properties read as their fields: this loop runs per request per step)
+            num_all = len(req.all_token_ids) + req.num_output_placeholders
             if req.spec_token_ids:
+                # (a multi-step call's tokens past the first are the request's own placeholders)
+                if passes == 1 and end > num_all:
+                    spec[rid] = req.spec_token_ids[:end - num_all]
                 req.spec_token_ids = []  # proposed again for the next step
-            if rid in self._known_to_runner:
+            if rid in known:
                 cached_reqs.append(CachedRequestData(rid, new_blocks[rid], start))
             else:
-                self._known_to_runner.add(rid)
+                known.add(rid)
                 new_reqs.append(NewRequestData.from_request(req, list(self.kv.get_blocks(rid))))
             # the counts advance here, once: the runner mirrors what this output says
-            self.num_prompt_tokens += max(0, min(start + n, req.num_prompt_tokens) - start)
-            req.num_computed_tokens = start + n
-            if req.num_computed_tokens >= req.num_tokens_with_placeholders:
+            num_prompt = len(req.prompt_token_ids)
+            if start < num_prompt:
+                self.num_prompt_tokens += min(end, num_prompt) - start
+            req.num_computed_tokens = end
+            if end >= num_all:
                 req.num_output_placeholders += n if passes > 1 else 1
                 sampling.add(rid)
         self._finished_ids = set()
@@ -413,9 +426,7 @@ class Scheduler:
         self._pending_copies = {}
         return SchedulerOutput(new_reqs, cached_reqs, num_scheduled,
                                sum(num_scheduled.values()), finished, swap_out, swap_in, copies,
-                               sampling, spec,
-                               {rid: self.requests[rid] for rid in num_scheduled},
-                               passes if num_scheduled else 1)
+                               sampling, spec, scheduled, passes if num_scheduled else 1)
 
     def _lookahead(self, end: int) -> int:
         """Slots a draft model's proposal passes write past a request's scheduled tokens."""
@@ -465,15 +476,17 @@ class Scheduler:
         it ran keep their token (it was sampled from the right context)."""
         self.kv.end_step()
         updates = []
-        for rid in out.num_scheduled_tokens:
-            if rid not in out.sampling_req_ids:
+        # (the step's fields as locals: this loop runs per request per step)
+        sampling, scheduled, requests = out.sampling_req_ids, out.scheduled_reqs, self.requests
+        multi, spec, max_len = out.num_passes > 1, out.scheduled_spec_decode_tokens, self.max_model_len
+        for rid, n in out.num_scheduled_tokens.items():
+            if rid not in sampling:
                 continue  # a prefill chunk: it samples nothing
-            req = self.requests.get(rid)
-            if req is None or req is not out.scheduled_reqs[rid] or req.status.finished:
+            req = requests.get(rid)
+            if req is None or req is not scheduled[rid] or req.status.finished:
                 continue
-            req.num_output_placeholders -= (out.num_scheduled_tokens[rid] if out.num_passes > 1
-                                             else 1)
-            drafts = out.scheduled_spec_decode_tokens.get(rid)
+            req.num_output_placeholders -= n if multi else 1
+            drafts = spec.get(rid) if spec else None
             if drafts:
                 self._account_verification(req, len(drafts), len(sampled.get(rid, ())))
             if req.forks:
@@ -482,6 +495,16 @@ class Scheduler:
                 else:  # preempted while its prompt step ran: its blocks are gone
                     self._release_forks(req)
             toks = sampled.get(rid, ())
+            if len(toks) == 1:  # (most steps)
+                token = toks[0]
+                req.output_token_ids.append(token)
+                req.all_token_ids.append(token)
+                self.num_generation_tokens += 1
+                status = check_stop(req, token, max_len)
+                if status is not None:
+                    self._finish(req, status)
+                updates.append(RequestUpdate(req, toks))
+                continue
             if len(toks) > 1 and none_stop(req, toks, self.max_model_len):
                 # a multi-token step that ends nothing: its tokens go in at once (the list is
                 # this step's own)

@@ -40,7 +40,7 @@ class NewRequestData:
                    req.multi_token_bad_words, req.num_logprobs, req.num_prompt_logprobs, req.mm)
 
 
-@dataclass
+@dataclass(slots=True)
 class CachedRequestData:
     """A request the runner already holds: only the diff."""
     req_id: str
@@ -81,7 +81,7 @@ class SchedulerOutput:
         return bool(self.blocks_to_swap_out or self.blocks_to_swap_in or self.blocks_to_copy)
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestUpdate:
     request: Request
     new_token_ids: list[int]

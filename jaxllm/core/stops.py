@@ -19,13 +19,14 @@ def none_stop(req: Request, tokens: list[int], max_model_len: int) -> bool:
 def check_stop(req: Request, token: int, max_model_len: int) -> RequestStatus | None:
     """How the request ends with `token`, its newest token, appended; None: it goes on."""
     params = req.sampling_params
-    if req.num_tokens >= max_model_len:
+    if len(req.all_token_ids) >= max_model_len:  # (no properties: per request per step)
         return RequestStatus.FINISHED_LENGTH
-    if params.max_tokens is not None and req.num_output_tokens >= params.max_tokens:
+    num_output = len(req.output_token_ids)
+    if params.max_tokens is not None and num_output >= params.max_tokens:
         return RequestStatus.FINISHED_LENGTH
-    if req.num_output_tokens < params.min_tokens:
-        return None
     if token not in req.stop_ids:  # EOS (unless ignored) and the stop ids
+        return None
+    if num_output < params.min_tokens:
         return None
     if not params.ignore_eos and token == req.eos_token_id:
         return RequestStatus.FINISHED_STOPPED
