@@ -346,13 +346,13 @@ class LLMEngine:
                 res.non_finite, "the model's logits were not numbers (NaN or infinity)")
             self.engine_stats.num_failed_requests += len(failed)
             touched.update(dict.fromkeys(r.parent_id for r in failed))
+        logprobs, update = res.logprobs, self.outputs.update
         for upd in self.scheduler.update_from_output(out, res.sampled):
             req = upd.request
             if req.grammar is not None and upd.new_token_ids:
                 self.grammars.advance(req, upd.new_token_ids)
-            pid = self.outputs.update(req, upd.new_token_ids, res.logprobs.get(req.request_id),
-                                      now)
-            touched[pid] = None
+            touched[update(req, upd.new_token_ids,
+                           logprobs.get(req.request_id) if logprobs else None, now)] = None
         return self.outputs.make_outputs(touched)
 
     def _abort_failed_loras(self, failures: dict[int, str]) -> list[RequestOutput]:

@@ -27,6 +27,7 @@ class _Sequence:
     sent_tokens: int = 0              # DELTA: what earlier outputs carried
     sent_chars: int = 0
     done_sent: bool = False           # its final output was sent
+    metrics: RequestMetrics | None = None  # its parent's
 
 
 @dataclass
@@ -78,6 +79,8 @@ class OutputProcessor:
         plp = [None] if params.prompt_logprobs is not None else None
         parent = _Parent(request_id, prompt, prompt_ids, params, seqs, RequestMetrics(arrival),
                          plp)
+        for s in seqs:
+            s.metrics = parent.metrics
         self.parents[request_id] = parent
         for s in seqs:
             self.seqs[s.request.request_id] = s
@@ -137,22 +140,26 @@ class OutputProcessor:
                 seq.cumulative_logprob += lp.logprob
                 if seq.logprobs is not None:
                     seq.logprobs.append(self._position_logprobs(token, lp))
-        m = self.parents[request.parent_id].metrics
-        m.first_token_time = m.first_token_time or now
+        m = seq.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
         m.last_token_time = now
         return request.parent_id
 
     def make_outputs(self, parent_ids) -> list[RequestOutput]:
         out = []
+        parents, final_only, delta = self.parents, RequestOutputKind.FINAL_ONLY, RequestOutputKind.DELTA
         for pid in parent_ids:
-            parent = self.parents.get(pid)
+            parent = parents.get(pid)
             if parent is None:
                 continue
             kind = parent.params.output_kind
-            finished = parent.finished
-            if kind is RequestOutputKind.FINAL_ONLY and not finished:
+            seqs = parent.seqs  # (parent.finished, inline: this runs per request per step)
+            finished = (seqs[0].request.status.finished if len(seqs) == 1
+                        else all(s.request.status.finished for s in seqs))
+            if kind is final_only and not finished:
                 continue
-            made = self._output(parent, kind is RequestOutputKind.DELTA, finished)
+            made = self._output(parent, kind is delta, finished)
             if made is not None:
                 out.append(made)
             if finished:
@@ -163,10 +170,11 @@ class OutputProcessor:
         params = parent.params
         wants_cum = parent.seqs[0].request.wants_cumulative_logprob
         outputs = []
+        metrics = parent.metrics
         for seq in parent.seqs:
             req = seq.request
             done = req.status.finished
-            n_tok = req.num_output_tokens
+            n_tok = len(req.output_token_ids)
             if delta:
                 if seq.done_sent or (n_tok == seq.sent_tokens and not done):
                     continue  # nothing new for this sequence
@@ -180,7 +188,8 @@ class OutputProcessor:
                 text = seq.detok.get_text(done) if seq.detok else ""
                 token_ids = list(req.output_token_ids)
                 lps = list(seq.logprobs) if seq.logprobs is not None else None
-            parent.metrics.num_preemptions = max(parent.metrics.num_preemptions, req.num_preemptions)
+            if req.num_preemptions > metrics.num_preemptions:
+                metrics.num_preemptions = req.num_preemptions
             outputs.append(CompletionOutput(
                 seq.index, text, token_ids, seq.cumulative_logprob if wants_cum else None, lps,
                 req.finish_reason if done else None, req.stop_reason,
@@ -192,19 +201,20 @@ class OutputProcessor:
             plp = list(plp)
         if delta and not outputs and not finished:
             return None
+        best_of = params.best_of and params.best_of > params.n
         if finished:
-            parent.metrics.finished_time = time.time()
-            if params.best_of and params.best_of > params.n:
+            metrics.finished_time = time.time()
+            if best_of:
                 # the n most likely of best_of sequences
                 outputs = sorted(outputs, key=lambda o: -o.cumulative_logprob)[:params.n]
                 for i, o in enumerate(outputs):
                     o.index = i
                     if params.logprobs is None:
                         o.cumulative_logprob = None
-        elif params.best_of and params.best_of > params.n:
+        elif best_of:
             outputs = outputs[:params.n]  # streamed: the choice is made at the end
         cached = max(parent.seqs[0].request.num_cached_tokens, 0)
         parent.outputs_made += 1
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outputs,
-                             finished, parent.metrics.snapshot(), cached, plp)
+                             finished, metrics.snapshot(), cached, plp)
 

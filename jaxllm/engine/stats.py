@@ -30,7 +30,9 @@ class EngineStats:
         if not running:
             return
         allocated = (kv.pool.num_usable_blocks - kv.num_free_blocks) * bs
-        waste = sum(len(kv.get_blocks(r.request_id)) * bs - r.num_computed_tokens for r in running)
+        blocks = kv.req_to_blocks
+        waste = (sum(len(blocks.get(r.request_id, ())) for r in running) * bs
+                 - sum(r.num_computed_tokens for r in running))
         self.kv_slot_steps += allocated
         self.kv_waste_slot_steps += min(max(waste, 0), allocated)
         self.peak_running = max(self.peak_running, len(running))
