@@ -212,8 +212,8 @@ def compile_steps(mesh, device_memory: int, args) -> dict:
     from jaxllm.runner.kv_cache import kv_bytes_per_block, kv_cache_sharding
     from jaxllm.layers.attention_metadata import kv_cache_shape, table_width
     from jaxllm.runner.step_programs import (abstract_sample_inputs, abstract_step_inputs,
-                                             build_forward, build_sample, step_compiler_options,
-                                             step_scratch_bytes)
+                                             build_forward, build_sample, packed_step,
+                                             step_compiler_options, step_scratch_bytes)
     from jaxllm.runner.sampler import init_state
     import json
 
@@ -262,7 +262,8 @@ def compile_steps(mesh, device_memory: int, args) -> dict:
         ins = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep),
                            abstract_step_inputs(T, S, bs, width, qt_of(T)))
         t0 = time.perf_counter()
-        exe = forward.lower(state, kv, sampler, *ins).compile(step_compiler_options("gpu"))
+        exe = forward.lower(state, kv, sampler, *packed_step(ins)).compile(
+            step_compiler_options("gpu"))
         return exe, time.perf_counter() - t0
 
     def compile_sample(S):

@@ -27,8 +27,8 @@ from jaxllm import executable_cache
 from jaxllm.runner.buckets import StepShapes
 from jaxllm.runner.rejection_sampler import num_verify_rows
 from jaxllm.runner.step_programs import (abstract_sample_inputs, abstract_step_inputs,
-                                         abstract_verify_metadata, passes_scratch_bytes,
-                                         sampling_only, step_scratch_bytes)
+                                         abstract_verify_metadata, packed_step,
+                                         passes_scratch_bytes, step_scratch_bytes)
 
 logger = logging.getLogger(__name__)
 
@@ -151,8 +151,9 @@ class StepCompiler:
     def compile_forward(self, T: int, S: int):
         p = self.programs
         extra = (p.spec_state,) if self.num_spec else ()
+        inputs = self.abstract_inputs(T, S)
         return executable_cache.compile(
-            p.forward, p.state, p.kv_cache, p.sampler_state, *self.abstract_inputs(T, S),
+            p.forward, p.state, p.kv_cache, p.sampler_state, *packed_step(inputs), *inputs[4:],
             *extra, *self._adapters(T), options=self.options)
 
     def compile_sample(self, key):
@@ -170,10 +171,10 @@ class StepCompiler:
 
     def compile_passes(self, T: int, S: int):
         p = self.programs
-        ids, md, logits_idx, smd = self.abstract_inputs(T, S)[:4]
         return executable_cache.compile(
-            p.passes, p.state, p.kv_cache, p.sampler_state, ids, md, logits_idx,
-            sampling_only(smd), jax.ShapeDtypeStruct((S,), jnp.int32, sharding=self.replicated),
+            p.passes, p.state, p.kv_cache, p.sampler_state,
+            *packed_step(self.abstract_inputs(T, S)),
+            jax.ShapeDtypeStruct((S,), jnp.int32, sharding=self.replicated),
             *self._adapters(T), options=self.options)
 
     # looking up: a missing executable compiles, loudly (tests fail on it)

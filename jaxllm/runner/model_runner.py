@@ -39,7 +39,7 @@ from jaxllm.runner.rejection_sampler import VerifyOutput, init_spec_state
 from jaxllm.runner.sampler import SamplerOutput, init_state
 from jaxllm.runner.step_programs import (ROW_INIT_GROUP, abstract_set_rows_inputs, bitmask_words,
                                          build_decode_passes, build_forward, build_sample,
-                                         build_set_rows, sampling_only, step_compiler_options)
+                                         build_set_rows, packed_step, step_compiler_options)
 
 logger = logging.getLogger(__name__)
 
@@ -277,28 +277,34 @@ class ModelRunner:
     def _args(self, tree):
         return call_args(tree, self.replicated)
 
+    def _packed(self, inputs):
+        """A step's inputs as its programs take them (packed_step), as call arguments."""
+        packed = packed_step(inputs)
+        return self._args(packed) if self.leader.multiprocess else packed
+
     def run_forward(self, shape, inputs, token_slots=None, announced: bool = False) -> ForwardOutput:
         """Launch the forward pass of a (T, S) step on its `inputs` (as InputPreparer.prepare
         gives them): logits, prompt logprobs and the sampling metadata as sampling reads it,
         on the device. `token_slots`: each token's LoRA slot (with LoRA)."""
         inputs = self.leader.broadcast(mp.STEP, *shape, inputs=inputs, announced=announced)
         exe = self.compiler.forward(shape)
-        args = self._args(inputs)
+        # (on one process the host arrays themselves: the call transfers them)
+        args = self._args(inputs) if self.leader.multiprocess else inputs
+        step, sampling = self._packed(inputs)
         # with LoRA: the slots' weights and each token's slot (jaxllm.lora)
         adapters = () if token_slots is None else ((self.lora.weights, self._args(token_slots)),)
         extra = (self.spec_state,) if self.num_spec else ()  # a draft model's proposals
         logits, plp, self.kv_cache, *spec = exe(self.state, self.kv_cache, self.sampler_state,
-                                                *args, *extra, *adapters)
-        return ForwardOutput(shape, args, logits, plp, sampling_only(args[3]), *spec)
+                                                step, sampling, *args[4:], *extra, *adapters)
+        return ForwardOutput(shape, args, logits, plp, sampling, *spec)
 
     def run_passes(self, shape, inputs, num: np.ndarray, token_slots=None) -> PassesOutput:
         """Launch a multi-step call of shape (T, S): num[i] decode passes of row i."""
         exe = self.compiler.passes(shape)
-        input_ids, md, logits_idx, smd = self._args(inputs)[:4]  # (decodes: no images)
+        step, sampling = self._packed(inputs)  # (decodes: no images)
         adapters = () if token_slots is None else ((self.lora.weights, self._args(token_slots)),)
         res, self.kv_cache, self.sampler_state = exe(
-            self.state, self.kv_cache, self.sampler_state, input_ids, md, logits_idx,
-            sampling_only(smd), num, *adapters)
+            self.state, self.kv_cache, self.sampler_state, step, sampling, num, *adapters)
         return res
 
     def run_sample(self, key, fwd: ForwardOutput, bitmask: np.ndarray | None,

@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 import jax
 import numpy as np
 
-from jaxllm.runner.sampler import SamplerOutput, SamplingMetadata
+from jaxllm.runner.packing import Packed
+from jaxllm.runner.sampler import SamplerOutput
 
 
 @dataclass
@@ -66,7 +67,7 @@ class ForwardOutput:
     args: tuple          # the step's inputs on the device (a draft model reads them too)
     logits: jax.Array    # [S, V] of the rows that sample
     plp: tuple           # prompt logprobs
-    smd: SamplingMetadata  # as sampling reads it
+    smd: Packed          # the sampling metadata as sampling reads it (packed_step)
     verify: tuple | None = None  # speculative decoding: (raw logits at the verified
     #                              positions, the proposals, the resolved input ids)
 

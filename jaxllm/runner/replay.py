@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from jaxllm.runner.step_programs import bitmask_words, sampling_only
+from jaxllm.runner.step_programs import bitmask_words, packed_step
 
 
 class StepReplay:
@@ -18,8 +18,9 @@ class StepReplay:
         compiler = runner.compiler
         self.runner = runner
         self.shape = shape
-        self.args = runner.device_put(inputs)
-        self.smd = sampling_only(self.args[3])
+        # the step's inputs as its programs take them (packed_step), on the device
+        self.args = runner.device_put((*packed_step(inputs), *inputs[4:]))
+        self.smd = self.args[1]
         self.passes = 1 if num is None else int(num.max())
         self._adapters = () if token_slots is None else (
             (runner.lora.weights, runner.device_put(token_slots)),)
@@ -38,8 +39,8 @@ class StepReplay:
         donated): (results, cache, sampler state)."""
         state = self.runner.state
         if self._num is not None:
-            return self._passes(state, kv_cache, sampler_state, *self.args[:3], self.smd,
-                                self._num, *self._adapters)
+            return self._passes(state, kv_cache, sampler_state, *self.args[:2], self._num,
+                                *self._adapters)
         logits, _, kv_cache = self._forward(state, kv_cache, sampler_state, *self.args,
                                             *self._adapters)
         res, sampler_state = self._sample(logits, sampler_state, self.smd, self._mask,
@@ -54,8 +55,7 @@ class StepReplay:
 
         def one_call(state, kv_cache, sampler_state, *args):
             logits, _, kv_cache = programs.forward(state, kv_cache, sampler_state, *args)
-            res, sampler_state = programs.sample(logits, sampler_state, sampling_only(args[3]),
-                                                 mask, use_mask)
+            res, sampler_state = programs.sample(logits, sampler_state, args[1], mask, use_mask)
             return res, kv_cache, sampler_state
 
         exe = jax.jit(one_call, donate_argnums=(1, 2)).lower(

@@ -17,6 +17,7 @@ from jaxllm.core.block_pool import NULL_BLOCK
 from jaxllm.layers.attention import AttentionMetadata, max_tiles
 from jaxllm.lora.ops import LoRAInputs
 from jaxllm.runner.outputs import PassesOutput
+from jaxllm.runner.packing import Packed
 from jaxllm.runner.rejection_sampler import VerifyMetadata, no_verify, num_verify_rows, verify
 from jaxllm.runner.sampler import (MAX_BANNED, MAX_LOGPROBS, SamplingMetadata, flag_non_finite,
                                    prompt_logprobs, sample, set_rows)
@@ -44,7 +45,9 @@ def build_forward(graphdef, vocab: int, state_sharding, kv_sharding, replicated,
     (`multimodal`) takes (image features [T, E], their tokens' mask [T]) right after the
     sampling metadata (InputPreparer.image_features); it is not combined with speculation."""
 
-    def forward(state, kv_cache, sampler_state, input_ids, md, logits_indices, smd, *extra):
+    def forward(state, kv_cache, sampler_state, step, sampling, *extra):
+        input_ids, md, logits_indices, next_ids = step.unpack()
+        smd = dataclasses.replace(sampling.unpack(), next_ids=next_ids)
         mm = None
         if multimodal:
             mm, *extra = extra
@@ -87,7 +90,7 @@ def build_forward(graphdef, vocab: int, state_sharding, kv_sharding, replicated,
         extra = ((rep, rep), *extra)
     outs = (rep, rep, kv_sharding) + ((rep,) if num_spec else ())
     return jax.jit(forward, donate_argnums=(1,),
-                   in_shardings=(state_sharding, kv_sharding, rep, rep, rep, rep, rep, *extra),
+                   in_shardings=(state_sharding, kv_sharding, rep, rep, rep, *extra),
                    out_shardings=outs)
 
 
@@ -101,8 +104,9 @@ def build_sample(replicated, num_spec: int = 0, spec_probabilistic: bool = False
     SpecState, verifies the proposals by rejection sampling and emits up to k + 1 tokens per
     sequence: (tokens [S, k+1], num_tokens [S], logprob stats [S, k+1, ...])."""
 
-    def sample_step(logits, sampler_state, smd, bitmask, use_mask, raw_v=None, drafts=None,
+    def sample_step(logits, sampler_state, sampling, bitmask, use_mask, raw_v=None, drafts=None,
                     vmd=None, spec_state=None):
+        smd = sampling.unpack()
         base, sampler_state = sample(logits, smd, sampler_state, bitmask, use_mask)
         if not num_spec:
             return (flag_non_finite(logits, base[0]), *base[1:]), sampler_state
@@ -132,7 +136,9 @@ def build_decode_passes(graphdef, state_sharding, kv_sharding, replicated, num_p
     (is_final off), so the sampler state and the cache end as after num[i] single steps. The
     cache and the sampler state are donated. With LoRA, each token's slot stays the same."""
 
-    def passes(state, kv_cache, sampler_state, input_ids, md, logits_indices, smd, num, *adapters):
+    def passes(state, kv_cache, sampler_state, step, sampling, num, *adapters):
+        input_ids, md, logits_indices, _ = step.unpack()
+        smd = sampling.unpack()
         model = nnx.merge(graphdef, state)
         T = input_ids.shape[0]
         bs = md.block_size
@@ -172,7 +178,7 @@ def build_decode_passes(graphdef, state_sharding, kv_sharding, replicated, num_p
     rep = replicated
     extra = () if lora is None else ((lora[0], rep),)
     return jax.jit(passes, donate_argnums=(1, 2),
-                   in_shardings=(state_sharding, kv_sharding) + (rep,) * 6 + extra,
+                   in_shardings=(state_sharding, kv_sharding) + (rep,) * 4 + extra,
                    out_shardings=(rep, kv_sharding, rep))
 
 
@@ -180,6 +186,18 @@ def sampling_only(smd):
     """The sampling metadata sampling reads: without the [T] prompt-logprob ids, so that the
     sampler compiles once per seqs bucket."""
     return dataclasses.replace(smd, next_ids=None)
+
+
+def packed_step(inputs, sharding=None) -> tuple[Packed, Packed]:
+    """A step's first four inputs (input ids, attention metadata, logits indices, sampling
+    metadata: host arrays, or ShapeDtypeStructs to compile) as the programs take them: the
+    forward pass's own inputs (with the prompt-logprob ids) and sampling's metadata, each
+    packed (jaxllm.runner.packing)."""
+    input_ids, md, logits_idx, smd = inputs[:4]
+    step, sampling = (input_ids, md, logits_idx, smd.next_ids), sampling_only(smd)
+    if isinstance(input_ids, jax.ShapeDtypeStruct):
+        return Packed.abstract(step, sharding), Packed.abstract(sampling, sharding)
+    return Packed.pack(step), Packed.pack(sampling)
 
 
 def _temp_bytes(exe) -> int:
@@ -240,9 +258,9 @@ def abstract_verify_metadata(R: int, S: int) -> VerifyMetadata:
 
 def abstract_sample_inputs(S: int, vocab: int, smd):
     """Shapes of sampling's inputs after the sampler state: logits, sampling metadata (as
-    sampling_only gives it), bitmask, use_mask."""
+    sampling_only gives it, packed), bitmask, use_mask."""
     sds = jax.ShapeDtypeStruct
-    return (sds((S, vocab), jnp.float32), sampling_only(smd),
+    return (sds((S, vocab), jnp.float32), Packed.abstract(sampling_only(smd)),
             sds((S, bitmask_words(vocab)), jnp.int32), sds((), jnp.bool_))
 
 
