@@ -44,7 +44,16 @@ class InputBatch:
         self.num_prompt_tokens = np.zeros(max_num_seqs, np.int32)
         self.block_table = np.full((max_num_seqs, max_blocks_per_seq), NULL_BLOCK, np.int32)
         self.num_blocks = np.zeros(max_num_seqs, np.int32)
-        self.cols = {name: np.full(max_num_seqs, fill, dtype) for name, (dtype, fill) in COLUMNS.items()}
+        # the columns of one dtype side by side in one table, whose spare last row holds the
+        # empty row's values: a step gathers each table once, its padded rows from the spare
+        self._tables = []
+        self.cols = {}  # name -> the column (a view of its table), [max_num_seqs + 1]
+        for dtype in dict.fromkeys(d for d, _ in COLUMNS.values()):
+            names = [n for n, (d, _) in COLUMNS.items() if d is dtype]
+            table = np.empty((max_num_seqs + 1, len(names)), dtype)
+            table[:] = [COLUMNS[n][1] for n in names]
+            self._tables.append((names, table))
+            self.cols.update((n, table[:, j]) for j, n in enumerate(names))
         self.bad_words: list[list[list[int]] | None] = [None] * max_num_seqs  # multi-token only
         self.rows_with_bad_words: set[int] = set()
         self.lora_id = np.zeros(max_num_seqs, np.int64)  # the row's adapter key; 0: none
@@ -113,6 +122,15 @@ class InputBatch:
         self._free_rows.append(row)
         self._free_rows.sort(reverse=True)
         return row
+
+    def gather_cols(self, rows: np.ndarray) -> dict[str, np.ndarray]:
+        """Every column at `rows` (max_num_seqs: the empty row's values), one gather per
+        dtype."""
+        out = {}
+        for names, table in self._tables:
+            got = table[rows]
+            out.update((n, got[:, j]) for j, n in enumerate(names))
+        return out
 
     def append_blocks(self, row: int, block_ids: list[int]) -> None:
         if not block_ids:

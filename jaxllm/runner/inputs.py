@@ -15,13 +15,13 @@ from jaxllm.core.scheduler_output import SchedulerOutput
 from jaxllm.layers.attention import AttentionMetadata
 from jaxllm.layers.attention_metadata import attention_metadata
 from jaxllm.runner.buckets import StepShapes
-from jaxllm.runner.input_batch import COLUMNS, InputBatch
+from jaxllm.runner.input_batch import InputBatch
 from jaxllm.runner.outputs import DispatchedStep
 from jaxllm.runner.rejection_sampler import VerifyMetadata, num_verify_rows
 from jaxllm.runner.sampler import MAX_BANNED, SamplingMetadata
 from jaxllm.sampling_params import GREEDY_EPS
 
-# sampling metadata fields that are a batch column as they are (COLUMNS' name: the field's)
+# sampling metadata fields that are a batch column as they are (column: the field)
 _COLUMN_FIELDS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
                   "min_p": "min_p", "seed": "seeds", "repetition_penalty": "repetition_penalty",
                   "frequency_penalty": "frequency_penalty", "presence_penalty": "presence_penalty",
@@ -152,18 +152,11 @@ class InputPreparer:
 
     def sampling_metadata(self, rows, n, starts, final, md, T: int, S: int,
                           num_draft=None) -> SamplingMetadata:
-        batch, c = self.batch, self.batch.cols
+        batch = self.batch
         S_real, T_real = len(rows), int(n.sum())
-
-        def col(name):
-            dtype, fill = COLUMNS[name]
-            a = np.full(S, fill, dtype)
-            a[:S_real] = c[name][rows]
-            return a
-
-        cols = {name: col(name) for name in COLUMNS}
         pad_rows = np.full(S, self.max_num_seqs, np.int32)
         pad_rows[:S_real] = rows
+        cols = batch.gather_cols(pad_rows)  # (padded rows: the empty row's values)
         # the output index of the token each row samples: its seed stream's position
         gen_index = np.zeros(S, np.int32)
         gen_index[:S_real] = starts + n - batch.num_prompt_tokens[rows]
