@@ -31,6 +31,9 @@ def attention_metadata(starts: np.ndarray, n: np.ndarray, tables: np.ndarray, T:
     """
     S_real, T_real = len(n), int(n.sum())
     bs = block_size
+    qt = qt or q_tile_size(T)
+    if T_real == S_real:  # one token per sequence (decode steps): no repeats, no tiles
+        return _one_token_each(starts, tables, T, S, bs, qt)
     qsl = np.zeros(S + 1, np.int32)
     np.cumsum(n, out=qsl[1:S_real + 1])
     qsl[S_real + 1:] = T_real
@@ -47,7 +50,6 @@ def attention_metadata(starts: np.ndarray, n: np.ndarray, tables: np.ndarray, T:
     seq_lens[:S_real] = starts + n
 
     # prefill tiles: each sequence with more than one token, cut into query tiles
-    qt = qt or q_tile_size(T)
     W = max_tiles(T, S, qt)
     multi = np.nonzero(n > 1)[0]
     per_seq = -(-n[multi] // qt)
@@ -59,3 +61,26 @@ def attention_metadata(starts: np.ndarray, n: np.ndarray, tables: np.ndarray, T:
     tile_start[:num_tiles] = qsl[tile_seq[:num_tiles]] + (np.arange(num_tiles) - first_tile) * qt
     return AttentionMetadata(positions, slots, seq_ids, qsl, seq_lens, block_tables, tile_seq,
                              tile_start, np.int32(num_tiles), block_size=bs, q_tile=qt)
+
+
+def _one_token_each(starts: np.ndarray, tables: np.ndarray, T: int, S: int, bs: int,
+                    qt: int) -> AttentionMetadata:
+    """attention_metadata of a step whose sequences have one token each."""
+    S_real = len(starts)
+    idx = np.arange(S_real, dtype=np.int32)
+    qsl = np.full(S + 1, S_real, np.int32)
+    qsl[:S_real] = idx
+    seq_ids = np.zeros(T, np.int32)
+    seq_ids[:S_real] = idx
+    positions = np.zeros(T, np.int32)
+    positions[:S_real] = starts
+    block_tables = np.full((S, tables.shape[1]), NULL_BLOCK, np.int32)
+    block_tables[:S_real] = tables
+    slots = np.full(T, NULL_BLOCK * bs, np.int32)
+    slots[:S_real] = tables[idx, starts // bs] * bs + starts % bs
+    seq_lens = np.zeros(S, np.int32)
+    seq_lens[:S_real] = starts + 1
+    W = max_tiles(T, S, qt)
+    return AttentionMetadata(positions, slots, seq_ids, qsl, seq_lens, block_tables,
+                             np.zeros(W, np.int32), np.zeros(W, np.int32), np.int32(0),
+                             block_size=bs, q_tile=qt)

@@ -1,6 +1,7 @@
 """The persistent batch: rows handed out lowest first and reused, sampling columns written
 from SamplingParams and reset on removal, append-only block tables, the serial that tells a
 row's holders apart, and multi-token bad words."""
+import numpy as np
 import pytest
 
 from jaxllm.core.block_pool import NULL_BLOCK
@@ -160,3 +161,31 @@ def test_a_row_from_the_schedulers_output_takes_the_request_facts():
     for name in COLUMNS:
         assert batch.cols[name][other] == batch.cols[name][row], name
     assert batch.bad_words[other] == batch.bad_words[row]
+
+
+def test_one_token_steps_metadata_matches_the_ragged_layout():
+    """A decode step's attention metadata (one token per sequence, its own path) is the flat
+    ragged layout: token i is sequence i at its next position, written to its slot; and a
+    step where one sequence has two tokens (the general path) agrees on the others."""
+    from jaxllm.core.block_pool import NULL_BLOCK
+    from jaxllm.layers.attention_metadata import attention_metadata
+    rng = np.random.default_rng(0)
+    bs, width, T, S = 4, 6, 8, 8
+    tables = rng.integers(1, 100, (5, width)).astype(np.int32)
+    starts = np.array([0, 3, 4, 11, 22], np.int32)
+    md = attention_metadata(starts, np.ones(5, np.int32), tables, T, S, bs, qt=4)
+    np.testing.assert_array_equal(md.token_seq_ids, [0, 1, 2, 3, 4, 0, 0, 0])
+    np.testing.assert_array_equal(md.positions, [*starts, 0, 0, 0])
+    np.testing.assert_array_equal(md.query_start_loc, [0, 1, 2, 3, 4, 5, 5, 5, 5])
+    np.testing.assert_array_equal(md.seq_lens, [*(starts + 1), 0, 0, 0])
+    slots = [tables[i, p // bs] * bs + p % bs for i, p in enumerate(starts)]
+    np.testing.assert_array_equal(md.slot_mapping, slots + [NULL_BLOCK * bs] * 3)
+    assert md.block_tables.shape == (S, width) and (md.block_tables[5:] == NULL_BLOCK).all()
+    assert int(md.num_tiles) == 0 and md.tile_seq.shape == md.tile_start.shape
+    # the general path, the last sequence with one more token: the first four agree
+    two = attention_metadata(starts, np.array([1, 1, 1, 1, 2], np.int32), tables, T, S, bs, qt=4)
+    for name in ("positions", "slot_mapping", "token_seq_ids"):
+        np.testing.assert_array_equal(getattr(two, name)[:5], getattr(md, name)[:5])
+    np.testing.assert_array_equal(two.query_start_loc[:5], md.query_start_loc[:5])
+    np.testing.assert_array_equal(two.seq_lens[:4], md.seq_lens[:4])
+    assert md.tile_seq.shape == two.tile_seq.shape and int(two.num_tiles) == 1
