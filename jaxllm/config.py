@@ -110,9 +110,10 @@ class EngineConfig:
     huge_pages: bool = True
     # once started, the engine collects garbage and freezes the heap (gc.freeze): Python's
     # full collections then skip the millions of objects of the loaded model and compiled
-    # steps, which otherwise make them long pauses between steps. Off by default in Python
-    # (a process that builds several engines keeps a frozen engine's cycles until
-    # gc.unfreeze); on for `jaxllm serve` and `jaxllm bench`
+    # steps, which otherwise make them long pauses between steps. A dropped engine's frozen
+    # cycles are collected only when the next such engine starts (or at gc.unfreeze), so it
+    # is off by default in Python, where a process may build engines one after another; on
+    # for `jaxllm serve` and `jaxllm bench`
     freeze_gc_heap: bool = False
     tensor_parallel_size: int = 1
     # a mixture-of-experts model's experts split whole over the tensor-parallel devices

@@ -38,6 +38,11 @@ class LLMEngine:
         the start); model_names: what else the base model is called, for their base check."""
         start = time.perf_counter()
         self.config = config
+        if config.freeze_gc_heap and gc.get_freeze_count():
+            # an earlier engine's frozen heap: what of it is garbage now goes before this
+            # engine takes its memory (frozen, its cycles would never be collected)
+            gc.unfreeze()
+            gc.collect()
         parts = build_engine(config, lora_modules, model_names)
         self.matmul_backend = parts.matmul_backend
         self.policy = parts.policy

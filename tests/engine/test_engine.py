@@ -310,10 +310,12 @@ def test_warns_near_the_memory_map_limit(caplog):
 
 def test_freeze_gc_heap_freezes_what_start_up_left(tiny_llama):
     """freeze_gc_heap: once ready, the engine's start-up objects sit in the permanent
-    generation (full collections skip them) and it generates as without; the CLI's engines
-    freeze by default, Python's do not."""
+    generation (full collections skip them) and it generates as without; what the frozen heap
+    drops is collected when the next such engine starts; the CLI's engines freeze by
+    default, Python's do not."""
     import argparse
     import gc
+    import weakref
 
     from jaxllm.cli import add_engine_args, engine_config_from_args
     p = argparse.ArgumentParser()
@@ -327,12 +329,25 @@ def test_freeze_gc_heap_freezes_what_start_up_left(tiny_llama):
     plain = LLM(tiny_llama, **SMALL_ENGINE)
     assert gc.get_freeze_count() == 0
     expected = plain.generate(["Hi there"], params)[0].outputs[0].token_ids
+
+    class Cycle:
+        pass
     try:
+        cycle = Cycle()
+        cycle.me = cycle  # garbage only a collection frees, once dropped
+        alive = weakref.ref(cycle)
         frozen = LLM(tiny_llama, freeze_gc_heap=True, **SMALL_ENGINE)
         # the engine's own objects are among the frozen ones: collections do not see them
         scheduler = frozen.llm_engine.scheduler
         assert gc.get_freeze_count() > 0
         assert not any(o is scheduler for o in gc.get_objects())
         assert frozen.generate(["Hi there"], params)[0].outputs[0].token_ids == expected
+        del cycle, frozen, scheduler
+        gc.collect()
+        assert alive() is not None  # frozen: left alone
+        # the next freezing engine collects what the frozen heap dropped before it starts
+        again = LLM(tiny_llama, freeze_gc_heap=True, **SMALL_ENGINE)
+        assert alive() is None
+        assert again.generate(["Hi there"], params)[0].outputs[0].token_ids == expected
     finally:
         gc.unfreeze()
