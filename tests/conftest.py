@@ -63,6 +63,17 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: os.path.basename(str(item.fspath)))
 
 
+@pytest.fixture(autouse=True)
+def _unfreeze_after_test():
+    """A CLI engine run in-process froze the heap (freeze_gc_heap): after the test its
+    engine's cycles become collectable again, or they would stay until the next freezing
+    engine starts."""
+    yield
+    if gc.get_freeze_count():
+        gc.unfreeze()
+        gc.collect()
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _collect_module_engines():
     """The engines a finished module's fixtures held are collected before the next module
