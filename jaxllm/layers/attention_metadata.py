@@ -32,7 +32,7 @@ def attention_metadata(starts: np.ndarray, n: np.ndarray, tables: np.ndarray, T:
     S_real, T_real = len(n), int(n.sum())
     bs = block_size
     qt = qt or q_tile_size(T)
-    if T_real == S_real:  # one token per sequence (decode steps): no repeats, no tiles
+    if (n == 1).all():  # one token per sequence (decode steps): no repeats, no tiles
         return _one_token_each(starts, tables, T, S, bs, qt)
     qsl = np.zeros(S + 1, np.int32)
     np.cumsum(n, out=qsl[1:S_real + 1])

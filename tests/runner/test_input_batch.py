@@ -189,3 +189,7 @@ def test_one_token_steps_metadata_matches_the_ragged_layout():
     np.testing.assert_array_equal(two.query_start_loc[:5], md.query_start_loc[:5])
     np.testing.assert_array_equal(two.seq_lens[:4], md.seq_lens[:4])
     assert md.tile_seq.shape == two.tile_seq.shape and int(two.num_tiles) == 1
+    # as many tokens as sequences, but not one each: the general path
+    uneven = attention_metadata(starts[:2], np.array([2, 0], np.int32), tables[:2], T, S, bs, qt=4)
+    np.testing.assert_array_equal(uneven.token_seq_ids[:2], [0, 0])
+    np.testing.assert_array_equal(uneven.positions[:2], [0, 1])
