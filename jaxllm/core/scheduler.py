@@ -281,18 +281,12 @@ class Scheduler:
             self.running.sort(key=self._order)
 
         # running requests first, most important first; the least important yields blocks
-        i, max_len = 0, self.max_model_len
+        i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             in_flight = req.num_output_placeholders
             num_known = len(req.all_token_ids) + in_flight - req.num_computed_tokens
-            left = 0
-            if in_flight or passes > 1:  # (_tokens_left, inline: per request per step)
-                num_all = num_known + req.num_computed_tokens
-                left = max_len - num_all
-                limit = req.sampling_params.max_tokens
-                if limit is not None and limit - num_all + len(req.prompt_token_ids) < left:
-                    left = limit - num_all + len(req.prompt_token_ids)
+            left = self._tokens_left(req) if in_flight or passes > 1 else 0
             if num_known <= 0 or (in_flight and left <= 0):  # (its length limits are reached)
                 i += 1  # nothing to compute until its tokens in flight are known
                 continue
