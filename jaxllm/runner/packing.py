@@ -24,8 +24,6 @@ _INT, _FLOAT = 0, 1
 _KINDS = {"int32": _INT, "uint32": _INT, "bool": _INT, "float32": _FLOAT}
 # per input structure (tree and leaves' shapes and dtypes): how to pack it
 _PLANS: dict = {}
-_LAYOUTS: list = []       # by number
-_LAYOUT_NUMBERS: dict = {}  # layout -> its number
 
 
 def _kind(dtype) -> int:
@@ -36,18 +34,15 @@ def _kind(dtype) -> int:
     return kind
 
 
-# (a registered dataclass: jax flattens it in C++, which a step's calls notice)
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["ints", "floats"],
                    meta_fields=["layout"])
 @dataclasses.dataclass
 class Packed:
     """`ints` [n] int32 and `floats` [m] float32 (None when m = 0) holding the leaves of a
-    pytree; `layout`: the number of its layout, (treedef, ((shape, dtype name, kind,
-    offset), ...)), in _LAYOUTS (a number: a call compares it with the compiled one's, and
-    comparing the tree it stands for would take longer than the rest of the call)."""
+    pytree; `layout` = (treedef, ((shape, dtype name, kind, offset), ...))."""
     ints: object
     floats: object
-    layout: int
+    layout: tuple
 
     @staticmethod
     def _layout(leaves, treedef):
@@ -57,12 +52,7 @@ class Packed:
             shape = tuple(x.shape)
             specs.append((shape, np.dtype(x.dtype).name, kind, sizes[kind]))
             sizes[kind] += math.prod(shape)
-        layout = (treedef, tuple(specs))
-        number = _LAYOUT_NUMBERS.get(layout)
-        if number is None:
-            number = _LAYOUT_NUMBERS[layout] = len(_LAYOUTS)
-            _LAYOUTS.append(layout)
-        return number, sizes
+        return (treedef, tuple(specs)), sizes
 
     @classmethod
     def pack(cls, tree) -> "Packed":
@@ -72,7 +62,7 @@ class Packed:
         plan = _PLANS.get(key)
         if plan is None:
             layout, _ = cls._layout(leaves, treedef)
-            specs = _LAYOUTS[layout][1]
+            specs = layout[1]
             plan = _PLANS[key] = (layout, [i for i, sp in enumerate(specs) if sp[2] == _INT],
                                   [i for i, sp in enumerate(specs) if sp[2] == _FLOAT],
                                   {i for i, sp in enumerate(specs) if sp[1] == "uint32"})
@@ -94,7 +84,7 @@ class Packed:
 
     def unpack(self):
         """The original tree (inside a jitted program: slices of the two buffers)."""
-        treedef, specs = _LAYOUTS[self.layout]
+        treedef, specs = self.layout
         leaves = []
         for shape, dtype, kind, off in specs:
             n = math.prod(shape)
