@@ -27,8 +27,8 @@ request_st = st.fixed_dictionaries({
 
 
 def run(engine, workload, tokens):
-    """Drive the engine step by step: requests arrive and are aborted at given step numbers;
-    returns each request's final outputs (token ids, text, finish reasons, logprobs)."""
+    """Drive the engine step by step: requests arrive and are aborted at given step numbers
+    (a request's "extra": more SamplingParams); returns each request's final outputs (token ids, text, finish reasons, logprobs)."""
     finals, step = {}, 0
     pending = sorted(range(len(workload)), key=lambda i: workload[i]["arrive"])
     while pending or engine.has_unfinished_requests():
@@ -39,7 +39,7 @@ def run(engine, workload, tokens):
                 max_tokens=w["max_tokens"], n=w["n"], seed=100 + i, logprobs=w["logprobs"],
                 temperature=0.9 if w["sampled"] else 0.0, ignore_eos=not w["stop_ids"],
                 stop_token_ids=[int(tokens[i][0])] if w["stop_ids"] else None,
-                stop=[" the"] if w["stop_string"] else None)
+                stop=[" the"] if w["stop_string"] else None, **w.get("extra", {}))
             engine.add_request(f"r{i}", {"prompt_token_ids": tokens[i][:w["prompt_len"]].tolist()}, params)
         for i, w in enumerate(workload):
             if w["abort"] == step and engine.is_unfinished(f"r{i}"):
