@@ -15,7 +15,8 @@ class Logprob:
 PositionLogprobs = dict[int, Logprob]
 
 
-@dataclass
+# slotted: outputs are made per request per step (no instance dict to build or collect)
+@dataclass(slots=True)
 class CompletionOutput:
     index: int
     text: str
@@ -31,7 +32,7 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestMetrics:
     arrival_time: float
     first_scheduled_time: float | None = None
@@ -43,12 +44,11 @@ class RequestMetrics:
     def snapshot(self) -> "RequestMetrics":
         """A copy, as each output carries (copy.copy's generic path is slower for so small a
         record, and outputs are made at every step)."""
-        copied = object.__new__(RequestMetrics)
-        copied.__dict__.update(self.__dict__)
-        return copied
+        return RequestMetrics(self.arrival_time, self.first_scheduled_time, self.first_token_time,
+                              self.last_token_time, self.finished_time, self.num_preemptions)
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     request_id: str
     prompt: str | None
