@@ -2,8 +2,13 @@
 and swapping to host memory. Block tables are append-only while a request runs."""
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from jaxllm.core.block_pool import BlockPool
 from jaxllm.core.request import Request
+
+# what most decode steps add: one shared empty tuple, not a new list per request per step
+NO_BLOCKS: tuple[int, ...] = ()
 
 
 def cdiv(a: int, b: int) -> int:
@@ -148,7 +153,7 @@ class KVCacheManager:
     # allocation
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        computed_blocks: list[int] | None = None,
-                       num_lookahead_tokens: int = 0) -> list[int] | None:
+                       num_lookahead_tokens: int = 0) -> Sequence[int] | None:
         """Blocks newly added so that `num_new_tokens` more tokens fit (cache hits first), or
         None when they do not fit. Full blocks whose tokens are known are registered in the
         prefix cache at once: the step that computes them runs before anyone can read them
@@ -161,7 +166,7 @@ class KVCacheManager:
                 if (self.enable_caching and total >= (
                         self._num_cached_blocks.get(request.request_id, 0) + 1) * self.block_size):
                     self._cache_full_blocks(request, total)  # (a block filled up)
-                return []
+                return NO_BLOCKS
         computed_blocks = computed_blocks or []
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         total = (request.num_computed_tokens + len(computed_blocks) * self.block_size

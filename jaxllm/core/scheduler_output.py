@@ -2,6 +2,7 @@
 and what the scheduler hands back per request once the step's tokens are known."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -44,7 +45,7 @@ class NewRequestData:
 class CachedRequestData:
     """A request the runner already holds: only the diff."""
     req_id: str
-    new_block_ids: list[int]
+    new_block_ids: Sequence[int]  # (most steps: kv_cache_manager.NO_BLOCKS)
     num_computed_tokens: int
 
 

@@ -46,7 +46,7 @@ def test_allocate_slots_grows_by_blocks():
     r = req("a", 5)
     assert len(kv.allocate_slots(r, 5)) == 2
     r.num_computed_tokens = 5
-    assert kv.allocate_slots(r, 3) == []  # fits in the second block
+    assert list(kv.allocate_slots(r, 3)) == []  # fits in the second block
     assert len(kv.allocate_slots(r, 4)) == 1
     kv.free(r)
     assert kv.num_free_blocks == 9
