@@ -107,3 +107,21 @@ def write_quantized(hf_model, path, method: str, group: int = 32) -> None:
     }[method]
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f)
+
+
+def rel(a, b) -> float:
+    """The largest difference relative to the reference's largest magnitude."""
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+def set_dequantized(hf, layout_of):
+    """Replace every matrix of the torch model by its quantize-dequantize round trip."""
+    import torch
+
+    from jaxllm.quantization import quantize_host
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            layout = layout_of(name, p)
+            if layout is not None:
+                w = quantize_host(p.detach().numpy().astype(np.float32), layout).dequantize()
+                p.copy_(torch.from_numpy(w))
