@@ -20,23 +20,23 @@ computing one token per request and sampling the next pass's token there. A requ
 scheduled min(k, what its length limits allow) tokens, of which only the first is known; the
 rest are its own placeholders, and the step emits one token per pass. A stop in the middle
 drops the tokens after it, as for speculative decoding.
+
+Which request is where (waiting, running, held siblings) and how requests end is kept by
+RequestQueues (request_queues.py), which the Scheduler extends.
 """
 from __future__ import annotations
 
-import bisect
-from collections import deque
-
 from jaxllm.core.kv_cache_manager import KVCacheManager, cdiv
 from jaxllm.core.request import Request, RequestStatus
+from jaxllm.core.request_queues import RequestQueues
 from jaxllm.core.scheduler_output import (CachedRequestData, NewRequestData, RequestUpdate,
                                           SchedulerOutput)
 from jaxllm.core.stops import check_stop, none_stop
 
-POLICIES = ("fcfs", "priority")
 PREEMPTION_MODES = ("recompute", "swap")
 
 
-class Scheduler:
+class Scheduler(RequestQueues):
     def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, policy: str = "fcfs",
                  preemption_mode: str = "recompute", max_loras: int = 0,
@@ -47,28 +47,14 @@ class Scheduler:
             # otherwise a lone request could outgrow the pool and wait for blocks forever
             raise ValueError(f"the KV cache holds {capacity} tokens, fewer than max_model_len "
                              f"({max_model_len}); raise the KV-cache memory or lower max_model_len")
-        if policy not in POLICIES:
-            raise ValueError(f"scheduling_policy must be one of {POLICIES}, got {policy!r}")
         if preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {preemption_mode!r}")
-        self.kv = kv_cache_manager
+        super().__init__(kv_cache_manager, policy, max_loras)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.policy = policy
         self.preemption_mode = preemption_mode
-        # distinct LoRA adapters among running requests (so in any step); 0: LoRA is off
-        self.max_loras = max_loras
-        self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-        self._held: dict[str, Request] = {}  # n > 1 siblings waiting for their leader's prompt
-        self._finished_ids: set[str] = set()
-        self._num_needing_host_tokens = 0  # live requests with Request.needs_host_tokens
         self._known_to_runner: set[str] = set()
-        # forks' copy-on-write block copies for the next step: request id -> (src, dst)
-        self._pending_copies: dict[str, tuple[int, int]] = {}
-        self.num_preemptions = 0
         self.num_swaps = 0
         self.num_prompt_tokens = 0  # prompt tokens scheduled (prefix-cache hits excluded)
         self.num_generation_tokens = 0  # output tokens appended
@@ -83,144 +69,6 @@ class Scheduler:
         # the tokens of a step in which requests decode (prompts get what the decodes leave),
         # so their inter-token latency stays near a decode step's (0: max_num_batched_tokens)
         self.max_num_batched_tokens_while_decoding = max_num_batched_tokens_while_decoding
-
-    def _order(self, req: Request):
-        return (req.priority, req.arrival_time) if self.policy == "priority" else (req.arrival_time,)
-
-    # queue management
-    def add_request(self, request: Request, siblings: list[Request] = ()) -> None:
-        """Queue a request. `siblings` (parallel sampling) share its prompt: they start once
-        it has computed the prompt, from its blocks."""
-        for req in (request, *siblings):
-            if req.request_id in self.requests:
-                raise ValueError(f"request_id {req.request_id!r} is already in use")
-            if req.lora_id and not self.max_loras:
-                raise ValueError("a request with a LoRA adapter needs max_loras >= 1")
-        self.requests[request.request_id] = request
-        for sib in siblings:
-            self.requests[sib.request_id] = sib
-            self._held[sib.request_id] = sib
-        self._num_needing_host_tokens += sum(r.needs_host_tokens for r in (request, *siblings))
-        request.forks = list(siblings)
-        self._enqueue(request)
-
-    def _enqueue(self, request: Request, front: bool = False) -> None:
-        if self.policy == "priority":
-            keys = [self._order(r) for r in self.waiting]
-            self.waiting.insert(bisect.bisect_right(keys, self._order(request)), request)
-        elif front:
-            self.waiting.appendleft(request)
-        else:
-            self.waiting.append(request)
-
-    def finish_request(self, request: Request, status: RequestStatus,
-                       stop_reason: int | str | None = None, num_dropped_tokens: int = 0) -> None:
-        """End a request from outside the step's own stop checks (a stop string, a grammar,
-        an abort): the one way its status and stop reason change there. `num_dropped_tokens`:
-        its last output tokens are taken back (a stop string ended the text before them).
-        A request already finished takes the new status (a stop string or a grammar found
-        complete on the token that hit a length limit: the stop wins); one the scheduler
-        never held (its grammar failed to compile) is only marked."""
-        request.drop_last_output_tokens(num_dropped_tokens)
-        if stop_reason is not None:
-            request.stop_reason = stop_reason
-        if not request.status.finished and self.requests.get(request.request_id) is request:
-            self._finish(request, status)
-        else:
-            request.status = status
-
-    def finish_requests(self, request_ids, status: RequestStatus) -> list[Request]:
-        """End the live requests among `request_ids` (unknown or finished ones are skipped)."""
-        finished = []
-        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
-            req = self.requests.get(rid)
-            if req is None or req.status.finished:
-                continue
-            self._finish(req, status)
-            finished.append(req)
-        return finished
-
-    def fail_requests(self, request_ids, error: str) -> list[Request]:
-        """End the live requests among `request_ids` because their step failed: their blocks
-        leave the prefix cache (the step was to write them) and return to the pool."""
-        failed = []
-        for rid in request_ids:
-            req = self.requests.get(rid)
-            if req is None or req.status.finished:
-                continue
-            self.kv.pool.forget(self.kv.get_blocks(rid))
-            req.error = error
-            self._finish(req, RequestStatus.FINISHED_ERROR)
-            failed.append(req)
-        self.kv.end_step()  # the failed step's block copies are moot
-        return failed
-
-    def recompute_running(self) -> None:
-        """The device lost the KV cache: every running request computes its tokens again,
-        and nothing cached before is found any more."""
-        for req in reversed(list(self.running)):  # to the queue's front, in their order
-            self.running.remove(req)
-            self.kv.free(req)
-            req.spec_token_ids = []
-            req.num_preemptions += 1
-            self.num_preemptions += 1
-            req.status = RequestStatus.PREEMPTED
-            req.num_computed_tokens = 0
-            req.num_output_placeholders = 0
-            self._finished_ids.add(req.request_id)  # the runner drops its row
-            self._enqueue(req, front=True)
-        self.kv.pool.forget_all()
-
-    def _finish(self, req: Request, status: RequestStatus) -> None:
-        """Take the request out of whichever queue holds it, and free it."""
-        if req.request_id in self._held:
-            del self._held[req.request_id]
-        elif req.status == RequestStatus.RUNNING:
-            self.running.remove(req)
-        else:
-            self.waiting.remove(req)
-        self._free(req, status)
-
-    def _drop_copy(self, req: Request) -> None:
-        """A sibling gives its blocks back before its pending copy ran: the copy must not
-        write into a block that may belong to someone else by then."""
-        copy = self._pending_copies.pop(req.request_id, None)
-        if copy is not None:
-            self.kv.release_copy_source(copy[0])
-
-    def _release_forks(self, req: Request) -> None:
-        """Siblings still waiting for this request's prompt blocks compute the prompt
-        themselves."""
-        for sib in req.forks:
-            if self._held.pop(sib.request_id, None) is not None:
-                self._enqueue(sib, front=True)
-        req.forks = []
-
-    def _free(self, req: Request, status: RequestStatus) -> None:
-        self._drop_copy(req)
-        self._release_forks(req)
-        req.status = status
-        self.kv.free(req)
-        del self.requests[req.request_id]
-        self._finished_ids.add(req.request_id)
-        self._num_needing_host_tokens -= req.needs_host_tokens
-
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running or self._held)
-
-    @property
-    def needs_host_tokens(self) -> bool:
-        """A live request samples from tokens the host must know first (multi-token bad
-        words): no step may be scheduled before the previous one is read."""
-        return self._num_needing_host_tokens > 0
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting) + len(self._held)
-
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
 
     # one step
     def _tokens_left(self, req: Request) -> int:
