@@ -137,6 +137,7 @@ def simulate(chains, num_replicas: int, policy: str, cache_blocks: int, block_si
         r = reps[i]
         for job in admitted:  # a prefill ends with the first output token
             job.first_token = now
+            router.first_token(job.decision)
             job.request.append_output_token(rng.randrange(1, 1 << 20))
             r.running.append(job)
         for job in decoding:

@@ -320,6 +320,8 @@ class DataParallelEngine(EngineFront):
                 try:
                     async for ref in run.stream:
                         out = await ref
+                        if not streamed:  # the prompt is prefilled: out of the replica's queue
+                            self.router.first_token(run.decision)
                         streamed = True
                         finished = out.finished
                         if finished:

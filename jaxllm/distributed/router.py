@@ -16,10 +16,13 @@ its system prompt (which the others then cache too, at the cost of one short pre
 Load comes first when it is uneven: a replica whose load (requests in flight, as the router
 counts them, and its KV-cache usage) is well above the least loaded one's gets no new
 request, however much of the prompt it holds, so that one hot prefix cannot swamp its
-replica; the others then start caching it too. Among replicas within the balance, the
-longest cached prefix wins; ties go to the least loaded, and prompts cached nowhere to the
-least loaded and then to the replica remembering the fewest blocks, which spreads new
-conversations (and so the caches) over the replicas.
+replica; the others then start caching it too. Among replicas within the balance, a request
+goes where the prompt tokens still to prefill (those queued ahead of it: routed there but
+without a first token yet) are fewest, less what its cached prefix saves there, each saved
+token weighing `prefix_weight` queued ones. A cached prefix thus wins unless its replica's
+queue of prefills is much longer than the others'. Ties go to the longer prefix, then
+to the fewest requests in flight, then to the replica remembering the fewest blocks, which
+spreads new conversations (and so the caches) over the replicas.
 
 `round_robin` and `least_loaded` ignore the caches.
 """
@@ -41,6 +44,8 @@ class Decision:
     prompt_blocks: int
     life: int = 0             # which life of the replica it went to (see Router.finished)
     cached_tokens: int = 0    # cached_blocks in tokens
+    prefill_tokens: int = 0   # its prompt tokens to prefill, as the router reckons them,
+                              # counted in its replica's queue until its first token
 
 
 @dataclass
@@ -48,6 +53,7 @@ class _Replica:
     alive: bool = True
     life: int = 0             # bumped when the replica dies: its old requests count no more
     in_flight: int = 0
+    pending_prefill: int = 0  # prompt tokens routed here whose first token has not come
     kv_usage: float = 0.0
     capacity: int = 0                                  # blocks remembered, at most
     keys: OrderedDict = field(default_factory=OrderedDict)  # block key -> None, LRU first
@@ -59,12 +65,13 @@ class _Replica:
 class Router:
     def __init__(self, num_replicas: int, block_size: int, capacity_blocks: int,
                  policy: str = "prefix", balance_abs: int = 4, balance_rel: float = 1.5,
-                 kv_high: float = 0.9, cache_threshold: float = 0.3):
+                 kv_high: float = 0.9, cache_threshold: float = 0.3, prefix_weight: float = 4.0):
         """capacity_blocks: each replica's KV-cache blocks (what the router remembers per
         replica). A replica is out of balance when its in-flight count exceeds the least
         loaded one's by more than `balance_abs` and by more than `balance_rel` times, or when
         its KV cache is above `kv_high` while another's is not. A replica's cached prefix
-        counts when it covers at least `cache_threshold` of the prompt's full blocks."""
+        counts when it covers at least `cache_threshold` of the prompt's full blocks; each of
+        its tokens weighs `prefix_weight` queued prefill tokens (see _by_prefix)."""
         if policy not in POLICIES:
             raise ValueError(f"routing policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         if num_replicas < 1:
@@ -74,6 +81,7 @@ class Router:
             raise ValueError(f"cache_threshold must be within [0, 1], got {cache_threshold}")
         self.balance_abs, self.balance_rel, self.kv_high = balance_abs, balance_rel, kv_high
         self.cache_threshold = cache_threshold
+        self.prefix_weight = prefix_weight
         self.replicas = [_Replica(capacity=capacity_blocks) for _ in range(num_replicas)]
         self._next = 0
 
@@ -104,6 +112,7 @@ class Router:
         if not alive and r.alive:
             r.keys.clear()
             r.in_flight = 0
+            r.pending_prefill = 0
             r.kv_usage = 0.0
             r.life += 1
         r.alive = alive
@@ -125,9 +134,10 @@ class Router:
             decision = Decision(i, "least_loaded", self.cached_blocks(i, keys), len(keys))
         else:
             decision = self._by_prefix(live, keys)
-        self._routed(decision.replica, keys, len(token_ids))
-        decision.life = self.replicas[decision.replica].life
         decision.cached_tokens = decision.cached_blocks * self.block_size
+        decision.prefill_tokens = len(token_ids) - decision.cached_tokens
+        self._routed(decision, keys, len(token_ids))
+        decision.life = self.replicas[decision.replica].life
         return decision
 
     def _load(self, i: int) -> tuple:
@@ -152,19 +162,28 @@ class Router:
         within = self._balanced(live)
         cached = {i: self.cached_blocks(i, keys) for i in live}
         enough = lambda n: n > 0 and n >= self.cache_threshold * len(keys)  # noqa: E731
-        best = max(within, key=lambda i: (cached[i], -self.replicas[i].in_flight, -i))
-        if not enough(cached[best]):
-            # cached nowhere, or too little of it: the least loaded, then the one caching least
-            best = min(within, key=lambda i: (*self._load(i)[:2], len(self.replicas[i].keys), i))
-        # a longer prefix held by a replica out of balance is passed over on purpose
+        # too little of the prompt cached counts as none: the queues alone decide
+        saved = {i: cached[i] * self.block_size if enough(cached[i]) else 0 for i in within}
+        # A cached token saves its replica one token of prefill, and leaving it means computing
+        # it again where everyone queued behind waits for it too: so it outweighs a queued
+        # token. prefix_weight 4 gave the lowest median TTFT at 2-8 replicas in the router's
+        # simulation (benchmarks/route_sim.py; docs/replicas.md), without losing hits.
+
+        def first_token_cost(i: int) -> tuple:
+            r = self.replicas[i]
+            return (r.pending_prefill - self.prefix_weight * saved[i], -saved[i], r.kv_usage > self.kv_high,
+                    r.in_flight, len(r.keys), i)
+        best = min(within, key=first_token_cost)
+        # a longer prefix held by a busier replica is passed over on purpose
         most = max(cached.values())
         reason = ("least_loaded" if not enough(most) else
                   "balance" if cached[best] < most else "prefix")
         return Decision(best, reason, cached[best], len(keys))
 
-    def _routed(self, i: int, keys: list, num_tokens: int) -> None:
-        r = self.replicas[i]
+    def _routed(self, decision: Decision, keys: list, num_tokens: int) -> None:
+        r = self.replicas[decision.replica]
         r.in_flight += 1
+        r.pending_prefill += decision.prefill_tokens
         r.routed += 1
         r.prompt_tokens += num_tokens
         for k in keys:
@@ -173,10 +192,20 @@ class Router:
         while len(r.keys) > r.capacity:
             r.keys.popitem(last=False)
 
+    def first_token(self, decision: Decision) -> None:
+        """The request routed by `decision` has its first token: its prompt is prefilled and
+        leaves its replica's queue of prefills (once; finished() does it too if this was not
+        called)."""
+        r = self.replicas[decision.replica]
+        if decision.life == r.life and decision.prefill_tokens:
+            r.pending_prefill = max(r.pending_prefill - decision.prefill_tokens, 0)
+        decision.prefill_tokens = 0
+
     def finished(self, decision: Decision, num_cached_tokens: int = 0) -> None:
         """The request routed by `decision` ended (num_cached_tokens: its prompt tokens the
         replica found in its prefix cache, for the per-replica hit rate). One that went to a
         replica's earlier life, before it died, counts no more."""
+        self.first_token(decision)
         r = self.replicas[decision.replica]
         if decision.life != r.life:
             return
@@ -184,7 +213,8 @@ class Router:
         r.cached_tokens += max(num_cached_tokens, 0)
 
     def stats(self) -> list[dict]:
-        return [{"alive": r.alive, "in_flight": r.in_flight, "kv_usage": r.kv_usage,
+        return [{"alive": r.alive, "in_flight": r.in_flight, "pending_prefill_tokens": r.pending_prefill,
+                 "kv_usage": r.kv_usage,
                  "routed": r.routed, "prompt_tokens": r.prompt_tokens,
                  "cached_tokens": r.cached_tokens, "remembered_blocks": len(r.keys)}
                 for r in self.replicas]

@@ -1,6 +1,6 @@
 """The replica router (jaxllm/distributed/router.py): a prompt goes where its prefix is
 cached, cold prompts spread by load, a hot prefix spills over once its replica is out of
-balance, a full KV cache is avoided, dead replicas get nothing and forget their cache; round
+balance or its queue of prefills outweighs the prefix, a full KV cache is avoided, dead replicas get nothing and forget their cache; round
 robin and least loaded as asked; the router's keys are the prefix cache's."""
 import random
 
@@ -54,7 +54,10 @@ def test_a_short_shared_prefix_does_not_decide():
     r = Router(2, BS, 1000)
     system = prompt(5, n_prefix=8)  # 2 blocks, shared by the tenant's conversations
     convs = [system + prompt(100 + c, n_prefix=0, tail=28, seed=c) for c in range(4)]  # 9 blocks
-    first = [r.route(p) for p in convs]  # all in flight at once; 2 of 9 blocks is under 0.3
+    first = []
+    for p in convs:  # all in flight at once, prefilled (no queue); 2 of 9 blocks is under 0.3
+        first.append(r.route(p))
+        r.first_token(first[-1])
     assert [d.replica for d in first] == [0, 1, 0, 1]
     assert all(d.reason == "least_loaded" for d in first)
     assert [d.cached_blocks for d in first] == [0, 0, 2, 2]
@@ -66,8 +69,11 @@ def test_a_short_shared_prefix_does_not_decide():
         r.finished(d)
     # with no threshold, the tenant's cached system prompt decides: all go to one replica
     r = Router(2, BS, 1000, cache_threshold=0.0)
-    homes = [r.route(p).replica for p in convs]
-    assert homes[1:] == [homes[0]] * 3
+    homes = []
+    for p in convs:
+        homes.append(r.route(p))
+        r.first_token(homes[-1])
+    assert [d.replica for d in homes[1:]] == [homes[0].replica] * 3
     with pytest.raises(ValueError, match="cache_threshold"):
         Router(2, BS, 1000, cache_threshold=1.5)
 
@@ -96,9 +102,39 @@ def test_a_full_kv_cache_is_avoided():
     r.set_kv_usage(d.replica, 0.97)
     again = r.route(prompt(1, tail=4))
     assert again.replica != d.replica and again.reason == "balance"
+    r.first_token(again)
     r.set_kv_usage(again.replica, 0.99)  # both full: the cache decides again
     last = r.route(prompt(1, tail=5))
     assert last.replica == again.replica and last.reason == "prefix"  # it holds the longer prefix
+
+
+def test_a_long_queue_of_prefills_outweighs_a_short_cached_prefix():
+    """Prompt tokens routed to a replica and not yet prefilled (no first token) are its queue:
+    a request leaves its cached prefix for another replica only when that queue is longer
+    than the other's by more than prefix_weight times what the prefix saves; a first token
+    (or the end) takes a request's tokens out of the queue, once."""
+    r = Router(2, BS, 1000, prefix_weight=4.0)
+    home = r.route(prompt(1, n_prefix=16))  # 4 blocks: 16 tokens, saving 64 as weighed
+    r.first_token(home)
+    other = 1 - home.replica
+    cold = [r.route(prompt(50 + i, n_prefix=20, seed=i), exclude=(other,)) for i in range(3)]
+    assert r.stats()[home.replica]["pending_prefill_tokens"] == 60  # queued: 60 < 64
+    d = r.route(prompt(1, n_prefix=16, tail=2))
+    assert d.replica == home.replica and d.reason == "prefix"
+    assert r.stats()[home.replica]["pending_prefill_tokens"] == 62  # its own 2 uncached
+    cold.append(r.route(prompt(60, n_prefix=20), exclude=(other,)))  # queued: 82 > 64
+    moved = r.route(prompt(1, n_prefix=16, tail=3))
+    assert moved.replica == other and moved.reason == "balance" and moved.prefill_tokens == 19
+    for c in cold:  # the cold prompts are prefilled
+        r.first_token(c)
+        r.first_token(c)  # (twice: counted once)
+    r.finished(d)  # never had a first token: the end takes it out
+    assert r.stats()[home.replica]["pending_prefill_tokens"] == 0
+    back = r.route(prompt(1, n_prefix=16, tail=4))
+    assert back.replica == home.replica and back.reason == "prefix"
+    # a replica that dies forgets its queue
+    r.set_alive(other, False)
+    assert r.stats()[other]["pending_prefill_tokens"] == 0
 
 
 def test_dead_replicas_get_nothing_and_forget():
