@@ -26,6 +26,7 @@ import asyncio
 import json
 import os
 import shlex
+import statistics
 import time
 
 from benchmarks import serve as bench_serve
@@ -64,6 +65,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="a decode step's time, whatever the batch")
     g.add_argument("--sim-concurrency", type=int, default=None,
                    help="requests in flight (default: --concurrency)")
+    g.add_argument("--sim-seeds", type=int, default=1,
+                   help="runs per configuration, each with its own workload (--seed + i) and "
+                        "think times; reported: the mean hit rate and requests/s and the median "
+                        "of the median TTFTs, each run's figures beside them")
     g = p.add_argument_group("scaling")
     g.add_argument("--scaling-prompts", type=int, default=96)
     g.add_argument("--scaling-input-len", type=int, default=256)
@@ -259,12 +264,15 @@ def pd(args) -> dict:
 
 def simulate(args) -> dict:
     from benchmarks import route_sim
+    seeds = [args.seed + i for i in range(max(args.sim_seeds, 1))]
     if args.trace:
-        chains, source = route_sim.load_trace(args.trace), args.trace
+        workloads, source = [route_sim.load_trace(args.trace)] * len(seeds), args.trace
     else:
-        chains = [[(s.prompt_token_ids, s.output_len) for s in chain]
-                  for chain in bench_serve.build_workload(_workload_args(args))]
+        workloads = [[[(s.prompt_token_ids, s.output_len) for s in chain]
+                      for chain in bench_serve.build_workload(_workload_args(args, seed=seed))]
+                     for seed in seeds]
         source = "the routing part's workload"
+    chains = workloads[0]
     costs = route_sim.Costs(prefill_tok_s=args.sim_prefill_tok_s,
                             decode_step_s=args.sim_decode_step_ms / 1e3)
     rows = []
@@ -272,14 +280,16 @@ def simulate(args) -> dict:
         for policy in [x.strip() for x in args.sim_policies.split(",")]:
             if n == 1 and rows and rows[-1]["replicas"] == 1:
                 continue  # one replica: every policy is the same
-            r = route_sim.simulate(chains, n, policy, args.routing_cache_blocks,
-                                   concurrency=args.sim_concurrency or args.concurrency,
-                                   think_time=args.think_time, costs=costs, seed=args.seed)
+            runs = [route_sim.simulate(w, n, policy, args.routing_cache_blocks,
+                                       concurrency=args.sim_concurrency or args.concurrency,
+                                       think_time=args.think_time, costs=costs, seed=seed)
+                    for w, seed in zip(workloads, seeds)]
+            r = _mean_run(runs)
             rows.append(r)
             print(f"[simulate] {n} replicas, {policy:>12}: cached {r['cached_token_fraction']:.3f}, "
                   f"{r['request_throughput']:.2f} requests/s, median TTFT "
                   f"{r['median_ttft_ms']:.0f} ms", flush=True)
-    out = {"source": source, "requests": sum(len(c) for c in chains),
+    out = {"source": source, "requests": sum(len(c) for c in chains), "seeds": seeds,
            "cache_blocks_per_replica": args.routing_cache_blocks,
            "costs": {"prefill_tok_s": costs.prefill_tok_s, "decode_step_s": costs.decode_step_s},
            "runs": rows}
@@ -292,6 +302,27 @@ def simulate(args) -> dict:
             r["cached_fraction_vs_round_robin"] = (r["cached_token_fraction"]
                                                    / max(rr["cached_token_fraction"], 1e-9))
     return out
+
+
+def _mean_run(runs: list[dict]) -> dict:
+    """One configuration's runs (one per seed) as one row: hit rate and requests/s averaged,
+    the median of the median TTFTs; each run's own figures under "per_seed"."""
+    if len(runs) == 1:
+        return runs[0]
+    row = dict(runs[0])
+    for key in ("cached_token_fraction", "request_throughput", "duration_s"):
+        row[key] = statistics.fmean(r[key] for r in runs)
+    row["median_ttft_ms"] = float(statistics.median(r["median_ttft_ms"] for r in runs))
+    reasons: dict[str, int] = {}
+    for r in runs:
+        for k, v in r["reasons"].items():
+            reasons[k] = reasons.get(k, 0) + v
+    row["reasons"] = reasons
+    for key in ("per_replica_hit_rate", "per_replica_routed"):
+        row[key] = [statistics.fmean(col) for col in zip(*(r[key] for r in runs))]
+    row["per_seed"] = [{k: r[k] for k in ("cached_token_fraction", "request_throughput",
+                                          "median_ttft_ms")} for r in runs]
+    return row
 
 
 def run(args) -> int:

@@ -312,12 +312,16 @@ def test_serve_poisson_and_prefix_chat(bench_server, tmp_path):
     assert lines[1]["prompt_token_ids"][:len(lines[0]["prompt_token_ids"])] == lines[0]["prompt_token_ids"]
     run_cli("bench", "replicas", "--parts", "simulate", "--trace", str(tmp_path / "trace.jsonl"),
             "--sim-replicas", "1,2", "--sim-policies", "prefix,round_robin", "--think-time", "0.5",
-            "--routing-cache-blocks", "64", "--results-dir", str(tmp_path), "--tag", "sim")
+            "--routing-cache-blocks", "64", "--sim-seeds", "2", "--results-dir", str(tmp_path),
+            "--tag", "sim")
     sim = read_json(tmp_path / "sim.json")["simulate"]
     assert sim["requests"] == 6 and sim["source"].endswith("trace.jsonl")
     assert [(x["replicas"], x["policy"]) for x in sim["runs"]] == [
         (1, "prefix"), (2, "prefix"), (2, "round_robin")]
     assert all(x["requests"] == 6 and 0 <= x["cached_token_fraction"] <= 1 for x in sim["runs"])
+    for x in sim["runs"]:  # two runs each (other think times), averaged
+        assert len(x["per_seed"]) == 2 and x["cached_token_fraction"] == pytest.approx(
+            sum(s["cached_token_fraction"] for s in x["per_seed"]) / 2)
     # an unreachable server: every request fails, and the report says so
     run_cli("bench", "serve", "--base-url", "http://127.0.0.1:9", "--model", "m", "--num-prompts", "2",
             "--save-result", "--results-dir", str(tmp_path), "--tag", "down")
