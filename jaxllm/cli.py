@@ -105,6 +105,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--freeze-gc-heap", action=argparse.BooleanOptionalAction, default=True,
                    help="collect and freeze the Python heap once the engine is ready, so that "
                         "garbage collections between steps skip the model's objects (default on)")
+    g.add_argument("--gc-young-threshold", type=int, default=10000, metavar="N",
+                   help="once the engine is ready, Python's youngest-generation GC threshold "
+                        "(default 10000; 0 keeps Python's 700, under which the collector runs "
+                        "several times in every large decode step)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
     g.add_argument("--limit-mm-per-prompt", default=None, metavar="JSON",
                    help="a vision-language model: the most images per prompt, e.g. "

@@ -115,6 +115,11 @@ class EngineConfig:
     # is off by default in Python, where a process may build engines one after another; on
     # for `jaxllm serve` and `jaxllm bench`
     freeze_gc_heap: bool = False
+    # once started, the threshold of Python's youngest GC generation (gc.set_threshold's
+    # first; 0 leaves CPython's 700). A decode step makes a few objects per request that live
+    # into the next step (outputs, token lists): at 700 the collector runs several times a
+    # step and walks them all. Process-wide, so off by default in Python; 10,000 for the CLI
+    gc_young_threshold: int = 0
     tensor_parallel_size: int = 1
     # a mixture-of-experts model's experts split whole over the tensor-parallel devices
     # (expert parallelism) instead of each expert's hidden columns
@@ -259,6 +264,10 @@ class EngineConfig:
                      "structured_outputs_allow_additional_properties"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if (not isinstance(self.gc_young_threshold, int) or isinstance(self.gc_young_threshold, bool)
+                or self.gc_young_threshold < 0):
+            raise ValueError(f"gc_young_threshold must be a non-negative int (0: Python's "
+                             f"default), got {self.gc_young_threshold!r}")
         if self.skip_tokenizer_init and self.tokenizer is not None:
             raise ValueError("tokenizer and skip_tokenizer_init=True contradict each other")
         if not self.cpu_kernels and "cpu" in (self.attention_backend, self.matmul_backend):

@@ -67,8 +67,12 @@ def pytest_collection_modifyitems(items):
 def _unfreeze_after_test():
     """A CLI engine run in-process froze the heap (freeze_gc_heap): after the test its
     engine's cycles become collectable again, or they would stay until the next freezing
-    engine starts."""
+    engine starts. It also raised the collector's threshold (gc_young_threshold), which the
+    next test gets back as it was."""
+    threshold = gc.get_threshold()
     yield
+    if gc.get_threshold() != threshold:
+        gc.set_threshold(*threshold)
     if gc.get_freeze_count():
         gc.unfreeze()
         gc.collect()

@@ -103,6 +103,8 @@ class LLMEngine:
             # what start-up left is long-lived: full collections between steps skip it
             gc.collect()
             gc.freeze()
+        if config.gc_young_threshold:
+            gc.set_threshold(config.gc_young_threshold, *gc.get_threshold()[1:])
         self.startup_seconds = time.perf_counter() - start
         logger.info("engine ready in %.1f s (load %.1f s, compile %.1f s; %.1f s since the "
                     "process started; model %s, dtype %s, %s, %s scheduling)",

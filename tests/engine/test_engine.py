@@ -351,3 +351,31 @@ def test_freeze_gc_heap_freezes_what_start_up_left(tiny_llama):
         assert again.generate(["Hi there"], params)[0].outputs[0].token_ids == expected
     finally:
         gc.unfreeze()
+
+
+def test_gc_young_threshold_is_set_once_ready(tiny_llama):
+    """gc_young_threshold: once ready, the engine sets the youngest generation's threshold
+    (the older two kept); 0 (Python's default) leaves it; the CLI's engines use 10,000; a
+    bad value is refused naming the field."""
+    import argparse
+    import gc
+
+    from jaxllm.cli import add_engine_args, engine_config_from_args
+    from jaxllm.config import EngineConfig
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert engine_config_from_args(p.parse_args([])).gc_young_threshold == 10000
+    assert engine_config_from_args(p.parse_args(["--gc-young-threshold", "0"])).gc_young_threshold == 0
+    assert EngineConfig().gc_young_threshold == 0
+    for bad in (-1, 2.5, "many", True):
+        with pytest.raises(ValueError, match="gc_young_threshold"):
+            EngineConfig(gc_young_threshold=bad)
+    before = gc.get_threshold()
+    assert before[0] != 4321
+    llm = LLM(tiny_llama, gc_young_threshold=4321, **SMALL_ENGINE)
+    assert gc.get_threshold() == (4321, *before[1:])
+    gc.set_threshold(*before)
+    LLM(tiny_llama, **SMALL_ENGINE)
+    assert gc.get_threshold() == before  # 0: left as it was
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    assert len(llm.generate(["Hi"], params)[0].outputs[0].token_ids) == 4
