@@ -166,13 +166,12 @@ class Router:
         saved = {i: cached[i] * self.block_size if enough(cached[i]) else 0 for i in within}
         # A cached token saves its replica one token of prefill, and leaving it means computing
         # it again where everyone queued behind waits for it too: so it outweighs a queued
-        # token. prefix_weight 4 gave the lowest median TTFT at 2-8 replicas in the router's
-        # simulation (benchmarks/route_sim.py; docs/replicas.md), without losing hits.
+        # token (the weight was chosen on the router's simulation: docs/replicas.md).
 
         def first_token_cost(i: int) -> tuple:
             r = self.replicas[i]
-            return (r.pending_prefill - self.prefix_weight * saved[i], -saved[i], r.kv_usage > self.kv_high,
-                    r.in_flight, len(r.keys), i)
+            return (r.pending_prefill - self.prefix_weight * saved[i], -saved[i],
+                    r.kv_usage > self.kv_high, r.in_flight, len(r.keys), i)
         best = min(within, key=first_token_cost)
         # a longer prefix held by a busier replica is passed over on purpose
         most = max(cached.values())
@@ -213,8 +212,8 @@ class Router:
         r.cached_tokens += max(num_cached_tokens, 0)
 
     def stats(self) -> list[dict]:
-        return [{"alive": r.alive, "in_flight": r.in_flight, "pending_prefill_tokens": r.pending_prefill,
-                 "kv_usage": r.kv_usage,
+        return [{"alive": r.alive, "in_flight": r.in_flight,
+                 "pending_prefill_tokens": r.pending_prefill, "kv_usage": r.kv_usage,
                  "routed": r.routed, "prompt_tokens": r.prompt_tokens,
                  "cached_tokens": r.cached_tokens, "remembered_blocks": len(r.keys)}
                 for r in self.replicas]
