@@ -77,3 +77,17 @@ class StepShapes:
             if seqs[-1] >= num_seqs:
                 return t, pick(seqs, num_seqs)
         raise ValueError(f"no step shape holds {num_tokens} tokens in {num_seqs} sequences")
+
+
+def step_shapes(platform: str, max_num_batched_tokens: int, max_num_seqs: int,
+                num_spec_tokens: int = 0, token_buckets: list[int] | None = None,
+                seq_buckets: list[int] | None = None) -> StepShapes:
+    """The engine's step shapes: the given buckets, or those derived from its limits. On a
+    CPU a step's cost follows its padded tokens: small decode batches get shapes of their own
+    instead of padding to 16 tokens (unless the token buckets are given)."""
+    decode = [1, 2, 4, 8] if platform == "cpu" and token_buckets is None else []
+    return StepShapes(
+        token_buckets or make_buckets(min(16, max_num_batched_tokens), max_num_batched_tokens,
+                                      linear_from=1024),
+        seq_buckets or make_buckets(1, max_num_seqs), decode_buckets=decode,
+        spec_width=num_spec_tokens + 1)

@@ -27,7 +27,7 @@ from jaxllm.quantization import kv as kvq
 from jaxllm import executable_cache
 # (jaxllm.quantization.smoothquant reads attention_metadata and kv_cache_shape from here)
 from jaxllm.runner.block_ops import BlockOps
-from jaxllm.runner.buckets import StepShapes, make_buckets
+from jaxllm.runner.buckets import step_shapes
 from jaxllm.runner.compiler import StepCompiler, StepPrograms, abstract
 from jaxllm.runner.input_batch import InputBatch
 from jaxllm.runner.inputs import InputPreparer
@@ -70,14 +70,8 @@ class ModelRunner:
         # one device is a mesh of one: the same sharded code path
         self.mesh = loaded.mesh if loaded.mesh is not None else make_mesh(1)
         platform = platform_of(self.mesh)
-        # on a CPU a step's cost follows its padded tokens: small decode batches get shapes
-        # of their own instead of padding to 16 tokens (unless the token buckets are given)
-        decode = [1, 2, 4, 8] if platform == "cpu" and token_buckets is None else []
-        self.shapes = StepShapes(
-            token_buckets or make_buckets(min(16, max_num_batched_tokens), max_num_batched_tokens,
-                                          linear_from=1024),
-            seq_buckets or make_buckets(1, max_num_seqs), decode_buckets=decode,
-            spec_width=num_spec_tokens + 1)
+        self.shapes = step_shapes(platform, max_num_batched_tokens, max_num_seqs, num_spec_tokens,
+                                  token_buckets, seq_buckets)
         self.replicated = sharding(self.mesh)
         self.kv_cache_dtype = kv_cache_dtype
         # XLA's attention on a CPU keeps an fp8 cache as bytes (kv.FP8_BITS), as a bf16 one

@@ -234,6 +234,27 @@ def test_step_shapes_cover_every_batch():
             assert (t, s) in shapes.all and t >= tokens and s >= seqs and s <= t
 
 
+def test_the_gpu_shape_set_holds_every_step_the_scheduler_can_make():
+    """The shapes a GPU engine derives from its limits (no decode shapes of their own: a GPU
+    pads for free) hold every step the scheduler can make, with and without speculation:
+    any token count up to max_num_batched_tokens in any number of sequences up to
+    max_num_seqs and the tokens. And they are few, each one a compilation at start."""
+    from jaxllm.runner.buckets import step_shapes
+    for budget, seqs_max in ((8192, 256), (1024, 128)):
+        for spec in (0, 4):
+            shapes = step_shapes("gpu", budget, seqs_max, spec)
+            assert shapes.seqs_for.keys() == set(shapes.token_buckets)
+            assert len(shapes.all) <= 32
+            compiled = set(shapes.all)
+            for tokens in range(1, budget + 1):
+                for seqs in range(1, min(tokens, seqs_max) + 1):
+                    t, s = shapes.pick(tokens, seqs)
+                    assert t >= tokens and s >= seqs and (t, s) in compiled, (tokens, seqs)
+    # a CPU engine's set of the same limits adds square decode shapes below 16 tokens
+    cpu = step_shapes("cpu", 1024, 128)
+    assert set(cpu.all) - set(step_shapes("gpu", 1024, 128).all) == {(1, 1), (2, 2), (4, 4), (8, 8)}
+
+
 def test_given_buckets_are_the_shapes():
     """EngineConfig.token_buckets / seq_buckets: exactly the shapes of those lists (the maxima
     added), no decode shapes of their own; every batch still finds one."""
