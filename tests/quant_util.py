@@ -6,6 +6,7 @@ import json
 import os
 
 import numpy as np
+import pytest
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -125,3 +126,15 @@ def set_dequantized(hf, layout_of):
             if layout is not None:
                 w = quantize_host(p.detach().numpy().astype(np.float32), layout).dequantize()
                 p.copy_(torch.from_numpy(w))
+
+
+IDS = np.random.default_rng(0).integers(0, 49152, 37).tolist()  # a prompt for the tiny models
+
+
+@pytest.fixture(scope="module")
+def tiny_hf(tmp_path_factory, tokenizer_dir):
+    """A tiny Llama checkpoint (its path) and its torch model, once per module that imports
+    this fixture."""
+    from conftest import make_tiny_checkpoint
+    d = tmp_path_factory.mktemp("qtiny")
+    return str(d), make_tiny_checkpoint(d, "llama3", tokenizer_dir)

@@ -14,19 +14,9 @@ import pytest
 from conftest import make_tiny_checkpoint
 from jaxllm.loader import load_model
 from model_util import all_logits, hf_logits
-from quant_util import rel, set_dequantized
+from quant_util import IDS, rel, set_dequantized, tiny_hf  # noqa: F401 (tiny_hf: a fixture)
 
 T = gguf.GGMLQuantizationType
-
-
-@pytest.fixture(scope="module")
-def tiny_hf(tmp_path_factory, tokenizer_dir):
-    d = tmp_path_factory.mktemp("qtiny")
-    hf = make_tiny_checkpoint(d, "llama3", tokenizer_dir)
-    return str(d), hf
-
-
-IDS = np.random.default_rng(0).integers(0, 49152, 37).tolist()
 
 
 @pytest.mark.parametrize("method", ["int8", "int4", "int4 g64"])

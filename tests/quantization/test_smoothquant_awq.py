@@ -6,23 +6,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import make_tiny_checkpoint
 from jaxllm.layers.dtype_policy import uniform_policy
 from jaxllm.loader import load_model
 from jaxllm.quantization import formats as F
 from jaxllm.quantization.qweight import QWeight, matmul_xla
 from model_util import all_logits, hf_logits
-from quant_util import rel
-
-
-@pytest.fixture(scope="module")
-def tiny_hf(tmp_path_factory, tokenizer_dir):
-    d = tmp_path_factory.mktemp("qtiny")
-    hf = make_tiny_checkpoint(d, "llama3", tokenizer_dir)
-    return str(d), hf
-
-
-IDS = np.random.default_rng(0).integers(0, 49152, 37).tolist()
+from quant_util import IDS, rel, tiny_hf  # noqa: F401 (tiny_hf: a fixture)
 
 
 def _w8a8_reference(x: np.ndarray, w: np.ndarray) -> np.ndarray:
