@@ -151,6 +151,9 @@ class Metrics:
                                  "Requests waiting in the replica.", labels, registry=r),
                 "kv": Gauge("jaxllm:replica_kv_cache_usage_perc",
                             "The replica's KV-cache usage; 1 means 100 percent.", labels, registry=r),
+                "queued": Gauge("jaxllm:router_pending_prefill_tokens", "Prompt tokens the "
+                                "router sent to the replica that have no first token yet: its "
+                                "queue of prefills, as routing weighs it.", labels, registry=r),
                 "routed": Counter("jaxllm:router_requests", "Requests the router sent to the "
                                   "replica, by why it was chosen: prefix (the longest cached "
                                   "prefix), balance (a longer prefix sat on a busier replica), "
@@ -181,6 +184,7 @@ class Metrics:
             m["running"].labels(self.model_name, i).set(s["num_requests_running"])
             m["waiting"].labels(self.model_name, i).set(s["num_requests_waiting"])
             m["kv"].labels(self.model_name, i).set(s["kv_cache_usage_perc"])
+            m["queued"].labels(self.model_name, i).set(s.get("pending_prefill_tokens", 0))
 
     def routed(self, decision) -> None:
         m, i = self._replica_metrics(), str(decision.replica)

@@ -215,7 +215,8 @@ class DataParallelEngine(EngineFront):
                  "num_requests_running": r.stats.get("num_requests_running", 0),
                  "num_requests_waiting": r.stats.get("num_requests_waiting", 0),
                  "kv_cache_usage_perc": r.stats.get("kv_cache_usage_perc", 0.0),
-                 "in_flight": routed[r.index].get("in_flight", 0)}
+                 "in_flight": routed[r.index].get("in_flight", 0),
+                 "pending_prefill_tokens": routed[r.index].get("pending_prefill_tokens", 0)}
                 for r in self.set.replicas]
 
     def health(self) -> dict:

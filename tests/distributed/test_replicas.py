@@ -144,9 +144,16 @@ def test_lora_and_structured_outputs_through_the_replicas(server):
 def test_metrics_count_routing_and_hits_per_replica(server):
     base = server["base"]
     for name in ("replica_up", "replica_kv_cache_usage_perc", "router_prompt_tokens_total",
-                 "router_cached_tokens_total", "router_expected_cached_tokens_total"):
+                 "router_cached_tokens_total", "router_expected_cached_tokens_total",
+                 "router_pending_prefill_tokens"):
         assert f"jaxllm:{name}" in httpx.get(base + "/metrics").text, name
     assert metric(base, "replica_up") == 2
+    # every request so far was answered: no prompt waits for its first token (the gauge is
+    # read from the router a few times a second)
+    deadline = time.monotonic() + 10
+    while metric(base, "router_pending_prefill_tokens") != 0 and time.monotonic() < deadline:
+        time.sleep(0.25)
+    assert metric(base, "router_pending_prefill_tokens") == 0
     # the totals are the replicas' sums, and the hits come from the conversation above
     assert metric(base, "router_cached_tokens_total") >= 64
     assert metric(base, "prefix_cache_hits_total") >= metric(base, "router_cached_tokens_total")
