@@ -188,6 +188,9 @@ def test_chat_streams_stops_and_switches_model(server, browser, shots):
 
 def test_model_output_never_becomes_markup(server, browser):
     browser.get(server + "/")
+    # the page's own scripts are deferred: the renderer exists once they have run
+    wait(lambda: browser.execute_script("return typeof Markdown !== 'undefined'"),
+         timeout=30, what="the page's markdown.js")
     got = browser.execute_script("""
         const text = "# Title\\nSome **bold** and `code` <img src=x onerror=alert(1)> and"
           + " <script>alert(2)</script>\\n[bad](javascript:alert(3)) [good](https://example.org)"
