@@ -352,6 +352,7 @@ class DataParallelEngine(EngineFront):
                                              f"{describe_error(error)}")
                 logger.warning("replica %d failed before request %s streamed anything; sending "
                                "it to another replica", replica, request_id)
+                self._cancel(run)  # the failed attempt leaves that replica's counts
                 run = self._launch(request_id, request, priority, exclude=tried)
                 tried = (*tried, run.decision.replica)
         finally:

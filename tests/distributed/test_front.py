@@ -1,5 +1,6 @@
-"""The replicas' front end without Ray: their counters summed across restarts, the
-configuration refused by field, and the routing exclusions a resent request needs."""
+"""The replicas' front end without Ray's actors: their counters summed across restarts, the
+configuration refused by field, the routing exclusions a resent request needs, and the
+router's counts after a resend."""
 import pytest
 
 from jaxllm.config import EngineConfig
@@ -104,3 +105,54 @@ def test_adopted_blocks_are_found_and_their_chain_head_is_evicted_last():
     kv.pool.allocate(4)  # the three never-used blocks, then the chain's tail
     assert kv.cached_run(keys) == chain[:3]
     assert kv.adopt(prefix_keys(list(range(20)), 2)) is None  # no room for ten more
+
+
+def test_a_resent_request_leaves_nothing_counted_on_the_replica_it_failed_on(monkeypatch):
+    """A request whose replica answered with an error before streaming anything (the replica
+    itself still up) is sent elsewhere; the failed attempt is cancelled and leaves the
+    router's counts there (in flight, queue of prefills), or routing would shun that replica
+    for good."""
+    import asyncio
+    from types import SimpleNamespace
+
+    import ray
+    import ray.exceptions
+    cancelled = []
+    monkeypatch.setattr(ray, "cancel", cancelled.append)  # (no cluster here)
+
+    from jaxllm.distributed.data_parallel import DataParallelEngine, _Running
+
+    router = Router(2, block_size=4, capacity_blocks=64)
+    ids = list(range(12))
+
+    async def failing():
+        raise ray.exceptions.RayError("the replica's task failed")
+        yield  # (an async generator)
+
+    async def answering():
+        async def ref():
+            return SimpleNamespace(finished=True, num_cached_tokens=0, prompt_token_ids=ids)
+        yield ref()
+
+    eng = object.__new__(DataParallelEngine)
+    eng.router, eng.hooks, eng._stopping, eng._running = router, None, False, {}
+    eng.set = SimpleNamespace(live=lambda: [0, 1], prefill_ids=(), replicas=[None, None])
+    first = router.route(ids)
+    eng._running["r"] = _Running(first, failing())
+    relaunched = []
+
+    def launch(request_id, request, priority, exclude):
+        run = eng._running[request_id] = _Running(router.route(ids, exclude=exclude), answering())
+        relaunched.append(run.decision.replica)
+        return run
+    eng._launch = launch
+
+    async def consume():
+        return [out async for out in eng._outputs("r", None, 0)]
+    stream = eng._running["r"].stream
+    outs = asyncio.run(consume())
+    assert len(outs) == 1 and outs[0].finished
+    assert cancelled == [stream]  # the failed attempt, on its replica
+    assert relaunched == [1 - first.replica]
+    for s in router.stats():
+        assert s["in_flight"] == 0 and s["pending_prefill_tokens"] == 0, s
