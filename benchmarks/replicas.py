@@ -52,6 +52,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--concurrency", type=int, default=8)
     g.add_argument("--think-time", type=float, default=2.0, help="mean seconds between a "
                    "conversation's turns")
+    g.add_argument("--max-active-conversations", type=int, default=None,
+                   help="conversations open at a time, the next starting when one ends "
+                   "(default: all open from the start)")
     g.add_argument("--routing-cache-blocks", type=int, default=1536,
                    help="KV blocks per replica (--num-gpu-blocks-override) in this part")
     g = p.add_argument_group("simulate")
@@ -93,6 +96,7 @@ def _workload_args(args, **over) -> argparse.Namespace:
                 num_tenants=args.num_tenants, tokenizer=None, vocab_size=_vocab(args),
                 max_model_len=4096, request_rate=float("inf"), ignore_eos=True, seed=args.seed,
                 think_time=getattr(args, "think_time", 0.0),
+                max_active_conversations=getattr(args, "max_active_conversations", None),
                 base_url=None, endpoint="/v1/completions", api_key=None)
     base.update(over)
     return argparse.Namespace(**base)
@@ -282,7 +286,8 @@ def simulate(args) -> dict:
                 continue  # one replica: every policy is the same
             runs = [route_sim.simulate(w, n, policy, args.routing_cache_blocks,
                                        concurrency=args.sim_concurrency or args.concurrency,
-                                       think_time=args.think_time, costs=costs, seed=seed)
+                                       think_time=args.think_time, costs=costs, seed=seed,
+                                       max_active=args.max_active_conversations)
                     for w, seed in zip(workloads, seeds)]
             r = _mean_run(runs)
             rows.append(r)
@@ -291,6 +296,7 @@ def simulate(args) -> dict:
                   f"{r['median_ttft_ms']:.0f} ms", flush=True)
     out = {"source": source, "requests": sum(len(c) for c in chains), "seeds": seeds,
            "cache_blocks_per_replica": args.routing_cache_blocks,
+           "max_active_conversations": args.max_active_conversations,
            "costs": {"prefill_tok_s": costs.prefill_tok_s, "decode_step_s": costs.decode_step_s},
            "runs": rows}
     one = next((r for r in rows if r["replicas"] == 1), None)
@@ -330,6 +336,9 @@ def run(args) -> int:
     unknown = set(parts) - {"routing", "scaling", "pd", "simulate"}
     if unknown:
         raise ValueError(f"--parts: unknown {sorted(unknown)} (routing, scaling, pd, simulate)")
+    if args.max_active_conversations is not None and args.max_active_conversations < 1:
+        raise ValueError(f"--max-active-conversations must be at least 1, "
+                         f"got {args.max_active_conversations}")
     result = {"serve_args": shlex.split(args.serve_args), "model": args.model or "default"}
     for part in parts:
         result[part] = {"routing": routing, "scaling": scaling, "pd": pd,

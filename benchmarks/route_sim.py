@@ -9,7 +9,8 @@ uncached prompt tokens fit the step's budget and their blocks fit the cache, the
 running request decodes one token) and its cost: prefill at `prefill_tok_s` tokens a second
 plus `decode_step_s` for a step that decodes, whatever the batch (decode bound by reading the
 weights, as on a GPU). The clients are the benchmark's: conversations (chains of turns) with
-an exponential think time between turns and at most `concurrency` requests in flight.
+an exponential think time between turns, at most `concurrency` requests in flight and, with
+`max_active`, at most that many conversations open at a time (the next opens when one ends).
 
 Hit rates depend on the cache mechanics and the order requests arrive in, which the model
 only shapes through timing; requests/s depend on the cost model as well."""
@@ -69,8 +70,10 @@ def load_trace(path: str) -> list[list[tuple[list[int], int]]]:
 
 def simulate(chains, num_replicas: int, policy: str, cache_blocks: int, block_size: int = 16,
              concurrency: int = 8, think_time: float = 2.0, costs: Costs | None = None,
-             seed: int = 0, cache_threshold: float = 0.3) -> dict:
+             seed: int = 0, cache_threshold: float = 0.3, max_active: int | None = None) -> dict:
     """chains: [[(prompt token ids, output tokens), ...] per conversation]."""
+    if max_active is not None and max_active < 1:
+        raise ValueError(f"max_active must be at least 1, got {max_active}")
     costs = costs or Costs()
     rng = random.Random(seed)
     router = Router(num_replicas, block_size, cache_blocks, policy, cache_threshold=cache_threshold)
@@ -84,7 +87,8 @@ def simulate(chains, num_replicas: int, policy: str, cache_blocks: int, block_si
     def push(t, kind, payload):
         heapq.heappush(events, (t, next(order), kind, payload))
 
-    for c in range(len(chains)):
+    opened = min(max_active or len(chains), len(chains))
+    for c in range(opened):
         push(0.0, "ready", (c, 0))
 
     def submit(now):
@@ -133,7 +137,7 @@ def simulate(chains, num_replicas: int, policy: str, cache_blocks: int, block_si
         push(now + dt, "step", (i, admitted, decoding))
 
     def finish_step(i, admitted, decoding, now):
-        nonlocal in_flight
+        nonlocal in_flight, opened
         r = reps[i]
         for job in admitted:  # a prefill ends with the first output token
             job.first_token = now
@@ -156,7 +160,10 @@ def simulate(chains, num_replicas: int, policy: str, cache_blocks: int, block_si
             router.finished(job.decision, job.cached)
             in_flight -= 1
             done.append(job)
-            if job.turn + 1 < len(chains[job.chain]):
+            if job.turn + 1 == len(chains[job.chain]) and opened < len(chains):
+                push(now, "ready", (opened, 0))  # a conversation ended: the next one opens
+                opened += 1
+            elif job.turn + 1 < len(chains[job.chain]):
                 push(now + rng.expovariate(1.0 / think_time) if think_time > 0 else now,
                      "ready", (job.chain, job.turn + 1))
         router.set_kv_usage(i, r.kv.usage())

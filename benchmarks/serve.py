@@ -37,6 +37,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "(exponential) a conversation waits before each of its later turns")
     w.add_argument("--num-tenants", type=int, default=1, help="prefix-chat: tenants, each with "
                    "its own system prompt shared by its conversations")
+    w.add_argument("--max-active-conversations", type=int, default=None,
+                   help="prefix-chat: conversations open at a time; the next one starts when "
+                   "one ends (default: all open from the start)")
     w.add_argument("--image-size", type=int, default=448, help="image: the images' side")
     w.add_argument("--num-unique-images", type=int, default=None,
                    help="image: distinct images among the prompts (default: one per prompt)")
@@ -177,6 +180,9 @@ async def run_load(args, chains, model: str, concurrency: int | None) -> tuple[l
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     rng = np.random.default_rng(args.seed)
     sem = asyncio.Semaphore(concurrency) if concurrency else None
+    active = getattr(args, "max_active_conversations", None)
+    # asyncio's semaphores wake in FIFO order: conversations open in the workload's order
+    opened = asyncio.Semaphore(active) if active else None
     outcomes: list[Outcome] = []
     limits = httpx.Limits(max_connections=max(concurrency or 0, len(chains)) + 10)
 
@@ -184,6 +190,13 @@ async def run_load(args, chains, model: str, concurrency: int | None) -> tuple[l
         think = getattr(args, "think_time", 0.0)
 
         async def run_chain(chain, seed):
+            if opened is not None:
+                async with opened:
+                    await run_turns(chain, seed)
+            else:
+                await run_turns(chain, seed)
+
+        async def run_turns(chain, seed):
             pause = np.random.default_rng(seed)
             for i, sample in enumerate(chain):
                 if i and think > 0:  # the user reads the reply and types the next turn
@@ -272,6 +285,9 @@ def run(args) -> int:
     import httpx
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    if args.max_active_conversations is not None and args.max_active_conversations < 1:
+        raise SystemExit(f"--max-active-conversations must be at least 1, "
+                         f"got {args.max_active_conversations}")
     model = args.model
     if model is None:
         r = httpx.get(args.base_url.rstrip("/") + "/v1/models", headers=headers, timeout=30)
@@ -298,6 +314,7 @@ def run(args) -> int:
               "workload": {"dataset": args.dataset_name, "num_prompts": args.num_prompts,
                            "num_turns": args.num_turns, "num_tenants": args.num_tenants,
                            "think_time": args.think_time,
+                           "max_active_conversations": args.max_active_conversations,
                            "random_input_len": args.random_input_len,
                            "random_output_len": args.random_output_len,
                            "request_rate": args.request_rate, "seed": args.seed},

@@ -298,6 +298,50 @@ def test_serve_sweep_with_plots(bench_server, tmp_path):
     assert "| 1 |" in md and "| 4 |" in md
 
 
+def test_serve_opens_at_most_max_active_conversations(monkeypatch):
+    """--max-active-conversations N: N conversations are open at a time, in the workload's
+    order, the next opening when one has had its last turn (vLLM's multi-turn benchmark's
+    flag); a conversation's turns go in order."""
+    import argparse
+    import asyncio
+    from benchmarks import serve as bench_serve
+    args = argparse.Namespace(
+        dataset_name="prefix-chat", num_prompts=7, num_turns=3, system_len=8, random_input_len=4,
+        random_output_len=2, num_tenants=1, tokenizer=None, vocab_size=1000, seed=0,
+        request_rate=float("inf"), think_time=0.002, ignore_eos=True, max_active_conversations=2,
+        base_url="http://unused", endpoint="/v1/completions", api_key=None)
+    chains = bench_serve.build_workload(args)
+    where = {id(s): (c, t) for c, chain in enumerate(chains) for t, s in enumerate(chain)}
+    events, open_now, most = [], set(), [0]
+
+    async def fake(client, url, model, sample, ignore_eos, headers):
+        c, t = where[id(sample)]
+        events.append((c, t))
+        open_now.add(c)
+        most[0] = max(most[0], len(open_now))
+        await asyncio.sleep(0.001 * (1 + (c * 7 + t) % 3))
+        if t == len(chains[c]) - 1:
+            open_now.discard(c)
+        return bench_serve.Outcome(True, prompt_tokens=len(sample.prompt_token_ids))
+    monkeypatch.setattr(bench_serve, "one_request", fake)
+    outcomes, _ = asyncio.run(bench_serve.run_load(args, chains, "m", concurrency=None))
+    assert len(outcomes) == 21 and most[0] == 2
+    firsts = [c for c, t in events if t == 0]
+    assert firsts == list(range(7))
+    for c in range(7):
+        assert [t for x, t in events if x == c] == [0, 1, 2]
+    # a conversation opens only once an earlier one has ended
+    ended = 0
+    for i, (c, t) in enumerate(events):
+        if t == 0 and c >= 2:
+            done = {x for x, y in events[:i] if y == 2}
+            assert len(done) >= c - 1
+            ended += 1
+    assert ended == 5
+    with pytest.raises(SystemExit, match="at least 1"):
+        bench_serve.run(argparse.Namespace(**{**vars(args), "max_active_conversations": 0}))
+
+
 def test_serve_poisson_and_prefix_chat(bench_server, tmp_path):
     run_cli("bench", "serve", "--base-url", bench_server, "--dataset-name", "prefix-chat",
             "--num-prompts", "3", "--num-turns", "2", "--system-len", "40", "--random-input-len", "6",

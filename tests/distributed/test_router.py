@@ -222,3 +222,28 @@ def test_simulated_replicas_over_a_chat_trace():
     assert one["cached_token_fraction"] == pytest.approx(runs["prefix"]["cached_token_fraction"], abs=0.02)
     with pytest.raises(ValueError, match="does not fit"):
         simulate([[([1] * 200, 4)]], 1, "prefix", cache_blocks=8)
+
+
+def test_simulated_replicas_with_few_conversations_open():
+    """route_sim's max_active: conversations open a few at a time, so a cache that holds a
+    few histories finds nearly all of them, where all conversations open at once cycle
+    through more histories than it holds and LRU evicts each before its next turn."""
+    from benchmarks.route_sim import simulate
+    rng = random.Random(1)
+    chains = []
+    for c in range(12):
+        history, chain = [], []
+        for _ in range(4):
+            history = history + [rng.randrange(1, 50_000) for _ in range(64)]
+            chain.append((list(history), 8))
+            history = history + [rng.randrange(1, 50_000) for _ in range(8)]
+        chains.append(chain)
+    prompts = [[len(p) for p, _ in chain] for chain in chains]
+    ideal = sum(n // 16 * 16 for lens in prompts for n in lens[:-1]) / sum(map(sum, prompts))
+    few = simulate(chains, 1, "prefix", cache_blocks=64, concurrency=2, think_time=0.0, max_active=2)
+    every = simulate(chains, 1, "prefix", cache_blocks=64, concurrency=2, think_time=0.0)
+    assert few["requests"] == every["requests"] == 48
+    assert few["cached_token_fraction"] == pytest.approx(ideal, abs=0.02)
+    assert every["cached_token_fraction"] < 0.5 * ideal
+    with pytest.raises(ValueError, match="max_active"):
+        simulate(chains, 1, "prefix", cache_blocks=64, max_active=0)
