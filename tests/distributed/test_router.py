@@ -95,6 +95,34 @@ def test_a_hot_prefix_spills_over_when_out_of_balance():
     assert any(d.reason == "prefix" and d.replica != first.replica for d in spilled)
 
 
+def test_many_conversations_in_flight_keep_their_replica():
+    """Requests of different prefixes in flight on a replica are not one hot prefix: a
+    conversation stays where its history is cached until the replica's whole load is out of
+    balance (load_abs), where moving it would compute that history again elsewhere."""
+    r = Router(2, BS, 1000, balance_abs=2, load_abs=6)
+    home = r.route(prompt(50, tail=3, seed=0))
+    r.finished(home)
+    for i in range(5):  # five other conversations there, decoding
+        r.first_token(r.route(prompt(60 + i, tail=2, seed=i), exclude=(1 - home.replica,)))
+    state = {i: s["in_flight"] for i, s in enumerate(r.stats())}
+    assert state[home.replica] == 5 and state[1 - home.replica] == 0
+    again = r.route(prompt(50, tail=6, seed=0))  # its next turn: 5 in flight there, none elsewhere
+    assert again.replica == home.replica and again.reason == "prefix"
+    for i in range(3):  # past load_abs the load decides
+        r.first_token(r.route(prompt(90 + i, tail=2, seed=i), exclude=(1 - home.replica,)))
+    moved = r.route(prompt(50, tail=9, seed=0))
+    assert moved.replica != home.replica and moved.reason == "balance"
+    # the hot-prefix rule counts requests by their first block: finishing one lowers it
+    r2 = Router(2, BS, 1000, balance_abs=2)
+    hot = [r2.route(prompt(7, tail=2, seed=i)) for i in range(3)]
+    assert len({d.replica for d in hot}) == 1
+    assert r2.replicas[hot[0].replica].heads == {hot[0].head: 3}
+    r2.finished(hot[0])
+    assert r2.replicas[hot[0].replica].heads == {hot[0].head: 2}
+    r2.set_alive(hot[0].replica, False)
+    assert r2.replicas[hot[0].replica].heads == {}
+
+
 def test_a_full_kv_cache_is_avoided():
     r = Router(2, BS, 1000)
     d = r.route(prompt(1))
