@@ -14,12 +14,13 @@ conversations spread over the replicas instead of all following the one that fir
 its system prompt (which the others then cache too, at the cost of one short prefill).
 
 Load comes first when it is uneven: a replica gets no new request, however much of the
-prompt it holds, when its requests in flight that begin with the prompt's first block are
-well above the least loaded replica's count of them (`balance_abs`), so that one hot prefix
-cannot swamp its replica (the others then start caching it too); or when all its requests
-in flight are far above the least loaded one's (`load_abs`, a wider margin: requests of many
-conversations on one replica are the luck of the draw, and moving one computes its whole
-history again elsewhere); or when its KV cache is nearly full. Among replicas within the
+prompt it holds, when a hot prefix makes it busy: it has well more requests in flight than
+the least loaded replica (`balance_abs`), and well more of them share the prefix it holds of
+this prompt, so that one hot prefix cannot swamp its replica (the others then start caching
+it too). Requests of many conversations on one replica are the luck of the draw, and moving
+one computes its whole history again elsewhere: only a much wider gap in all requests in
+flight (`load_abs`) passes over such a replica. Nor does one whose KV cache is nearly full
+get new requests while another's is not. Among replicas within the
 balance, a request goes where the prompt tokens still to prefill (those queued ahead of it:
 routed there but without a first token yet) are fewest, less what its cached prefix saves
 there, each saved token weighing `prefix_weight` queued ones. A cached prefix thus wins
@@ -49,7 +50,7 @@ class Decision:
     cached_tokens: int = 0    # cached_blocks in tokens
     prefill_tokens: int = 0   # its prompt tokens to prefill, as the router reckons them,
                               # counted in its replica's queue until its first token
-    head: object = None       # its prompt's first block key (see _Replica.heads)
+    keys: list = field(default=None, repr=False)  # its prompt's block keys (see _Replica.shared)
 
 
 @dataclass
@@ -57,7 +58,7 @@ class _Replica:
     alive: bool = True
     life: int = 0             # bumped when the replica dies: its old requests count no more
     in_flight: int = 0
-    heads: dict = field(default_factory=dict)  # first block key -> requests in flight with it
+    shared: dict = field(default_factory=dict)  # block key -> requests in flight holding it
     pending_prefill: int = 0  # prompt tokens routed here whose first token has not come
     kv_usage: float = 0.0
     capacity: int = 0                                  # blocks remembered, at most
@@ -73,11 +74,11 @@ class Router:
                  kv_high: float = 0.9, cache_threshold: float = 0.3, prefix_weight: float = 4.0,
                  load_abs: int = 16):
         """capacity_blocks: each replica's KV-cache blocks (what the router remembers per
-        replica). A replica is out of balance when its in-flight requests that start with the
-        prompt's first block exceed the least loaded one's by more than `balance_abs` and by
-        more than `balance_rel` times, or all its in-flight requests do by more than
-        `load_abs` and `balance_rel` times, or when its KV cache is above `kv_high` while
-        another's is not. A replica's cached prefix
+        replica). A replica is out of balance when both its requests in flight and those of
+        them sharing the prefix it holds of the prompt exceed the least loaded replica's by
+        more than `balance_abs` and `balance_rel` times; when all its requests in flight do by
+        more than `load_abs` and `balance_rel` times; or when its KV cache is above `kv_high`
+        while another's is not. A replica's cached prefix
         counts when it covers at least `cache_threshold` of the prompt's full blocks; each of
         its tokens weighs `prefix_weight` queued prefill tokens (see _by_prefix)."""
         if policy not in POLICIES:
@@ -123,7 +124,7 @@ class Router:
         if not alive and r.alive:
             r.keys.clear()
             r.in_flight = 0
-            r.heads.clear()
+            r.shared.clear()
             r.pending_prefill = 0
             r.kv_usage = 0.0
             r.life += 1
@@ -146,7 +147,7 @@ class Router:
             decision = Decision(i, "least_loaded", self.cached_blocks(i, keys), len(keys))
         else:
             decision = self._by_prefix(live, keys)
-        decision.head = keys[0] if keys else None
+        decision.keys = keys
         decision.cached_tokens = decision.cached_blocks * self.block_size
         decision.prefill_tokens = len(token_ids) - decision.cached_tokens
         self._routed(decision, keys, len(token_ids))
@@ -160,26 +161,30 @@ class Router:
     def _over(self, n: int, least: int, by: int) -> bool:
         return n - least > by and n > self.balance_rel * max(least, 1)
 
-    def _balanced(self, live: list[int], head=None) -> list[int]:
+    def _balanced(self, live: list[int], keys: list, cached: dict) -> list[int]:
         """The replicas not out of balance against the least loaded one."""
         least = min(self.replicas[i].in_flight for i in live)
-        least_head = min(self.replicas[i].heads.get(head, 0) for i in live)
         roomy = [i for i in live if self.replicas[i].kv_usage <= self.kv_high]
         out = []
         for i in live:
             r = self.replicas[i]
             if self._over(r.in_flight, least, self.load_abs):
                 continue
-            if head is not None and self._over(r.heads.get(head, 0), least_head, self.balance_abs):
-                continue
+            # busier than the least loaded one, and because of the prefix that draws the
+            # request here (the requests sharing it are too)?
+            if cached[i] and self._over(r.in_flight, least, self.balance_abs):
+                k = keys[cached[i] - 1]
+                if self._over(r.shared.get(k, 0), min(self.replicas[j].shared.get(k, 0) for j in live),
+                              self.balance_abs):
+                    continue
             if r.kv_usage > self.kv_high and roomy:
                 continue
             out.append(i)
         return out or [min(live, key=self._load)]
 
     def _by_prefix(self, live: list[int], keys: list) -> Decision:
-        within = self._balanced(live, keys[0] if keys else None)
         cached = {i: self.cached_blocks(i, keys) for i in live}
+        within = self._balanced(live, keys, cached)
         enough = lambda n: n > 0 and n >= self.cache_threshold * len(keys)  # noqa: E731
         # too little of the prompt cached counts as none: the queues alone decide
         saved = {i: cached[i] * self.block_size if enough(cached[i]) else 0 for i in within}
@@ -201,8 +206,8 @@ class Router:
     def _routed(self, decision: Decision, keys: list, num_tokens: int) -> None:
         r = self.replicas[decision.replica]
         r.in_flight += 1
-        if keys:
-            r.heads[keys[0]] = r.heads.get(keys[0], 0) + 1
+        for k in keys:
+            r.shared[k] = r.shared.get(k, 0) + 1
         r.pending_prefill += decision.prefill_tokens
         r.routed += 1
         r.prompt_tokens += num_tokens
@@ -230,10 +235,12 @@ class Router:
         if decision.life != r.life:
             return
         r.in_flight = max(r.in_flight - 1, 0)
-        if decision.head is not None and decision.head in r.heads:
-            r.heads[decision.head] -= 1
-            if not r.heads[decision.head]:
-                del r.heads[decision.head]
+        for k in decision.keys or ():
+            n = r.shared.get(k, 0) - 1
+            if n > 0:
+                r.shared[k] = n
+            else:
+                r.shared.pop(k, None)
         r.cached_tokens += max(num_cached_tokens, 0)
 
     def stats(self) -> list[dict]:

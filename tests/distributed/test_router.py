@@ -112,15 +112,17 @@ def test_many_conversations_in_flight_keep_their_replica():
         r.first_token(r.route(prompt(90 + i, tail=2, seed=i), exclude=(1 - home.replica,)))
     moved = r.route(prompt(50, tail=9, seed=0))
     assert moved.replica != home.replica and moved.reason == "balance"
-    # the hot-prefix rule counts requests by their first block: finishing one lowers it
+    # the hot-prefix rule counts the requests in flight holding each block: finishing one
+    # lowers the counts of its blocks
     r2 = Router(2, BS, 1000, balance_abs=2)
     hot = [r2.route(prompt(7, tail=2, seed=i)) for i in range(3)]
     assert len({d.replica for d in hot}) == 1
-    assert r2.replicas[hot[0].replica].heads == {hot[0].head: 3}
+    shared = r2.replicas[hot[0].replica].shared
+    assert [shared[k] for k in hot[0].keys] == [3, 3, 3, 3]
     r2.finished(hot[0])
-    assert r2.replicas[hot[0].replica].heads == {hot[0].head: 2}
+    assert [shared[k] for k in hot[0].keys] == [2, 2, 2, 2]
     r2.set_alive(hot[0].replica, False)
-    assert r2.replicas[hot[0].replica].heads == {}
+    assert r2.replicas[hot[0].replica].shared == {}
 
 
 def test_a_full_kv_cache_is_avoided():
