@@ -20,13 +20,15 @@ this prompt, so that one hot prefix cannot swamp its replica (the others then st
 it too). Requests of many conversations on one replica are the luck of the draw, and moving
 one computes its whole history again elsewhere: only a much wider gap in all requests in
 flight (`load_abs`) passes over such a replica. Nor does one whose KV cache is nearly full
-get new requests while another's is not. Among replicas within the
-balance, a request goes where the prompt tokens still to prefill (those queued ahead of it:
-routed there but without a first token yet) are fewest, less what its cached prefix saves
-there, each saved token weighing `prefix_weight` queued ones. A cached prefix thus wins
-unless its replica's queue of prefills is much longer than the others'. Ties go to the
-longer prefix, then to the fewest requests in flight, then to the replica remembering the
-fewest blocks, which spreads new conversations (and so the caches) over the replicas.
+get new requests while another's is not.
+
+Among replicas within the balance, a request goes where the prompt tokens still to prefill
+(those queued ahead of it: routed there but without a first token yet) are fewest, less what
+its cached prefix saves there, each saved token weighing `prefix_weight` queued ones. A
+cached prefix thus wins unless its replica's queue of prefills is much longer than the
+others'. Ties go to the longer prefix, then to the fewest requests in flight, then to the
+replica remembering the fewest blocks, which spreads new conversations (and so the caches)
+over the replicas.
 
 `round_robin` and `least_loaded` ignore the caches.
 """
@@ -78,9 +80,9 @@ class Router:
         them sharing the prefix it holds of the prompt exceed the least loaded replica's by
         more than `balance_abs` and `balance_rel` times; when all its requests in flight do by
         more than `load_abs` and `balance_rel` times; or when its KV cache is above `kv_high`
-        while another's is not. A replica's cached prefix
-        counts when it covers at least `cache_threshold` of the prompt's full blocks; each of
-        its tokens weighs `prefix_weight` queued prefill tokens (see _by_prefix)."""
+        while another's is not. A replica's cached prefix counts when it covers at least
+        `cache_threshold` of the prompt's full blocks; each of its tokens weighs
+        `prefix_weight` queued prefill tokens (see _by_prefix)."""
         if policy not in POLICIES:
             raise ValueError(f"routing policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         if num_replicas < 1:
@@ -241,6 +243,7 @@ class Router:
                 r.shared[k] = n
             else:
                 r.shared.pop(k, None)
+        decision.keys = None  # (counted out once)
         r.cached_tokens += max(num_cached_tokens, 0)
 
     def stats(self) -> list[dict]:

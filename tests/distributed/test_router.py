@@ -117,10 +117,10 @@ def test_many_conversations_in_flight_keep_their_replica():
     r2 = Router(2, BS, 1000, balance_abs=2)
     hot = [r2.route(prompt(7, tail=2, seed=i)) for i in range(3)]
     assert len({d.replica for d in hot}) == 1
-    shared = r2.replicas[hot[0].replica].shared
-    assert [shared[k] for k in hot[0].keys] == [3, 3, 3, 3]
+    shared, keys = r2.replicas[hot[0].replica].shared, hot[0].keys
+    assert [shared[k] for k in keys] == [3, 3, 3, 3]
     r2.finished(hot[0])
-    assert [shared[k] for k in hot[0].keys] == [2, 2, 2, 2]
+    assert [shared[k] for k in keys] == [2, 2, 2, 2]
     r2.set_alive(hot[0].replica, False)
     assert r2.replicas[hot[0].replica].shared == {}
 
