@@ -224,12 +224,9 @@ def test_hit_rates_per_replica():
     assert s["routed"] == 1 and s["prompt_tokens"] == 18 and s["cached_tokens"] == 12
 
 
-def test_simulated_replicas_over_a_chat_trace():
-    """benchmarks/route_sim.py: the router and the engine's prefix cache on simulated
-    replicas. Conversations re-sending their history find it cached when routed by prefix
-    and only sometimes in turn; one replica whose cache holds every history finds it all."""
-    from benchmarks.route_sim import simulate
-    rng = random.Random(0)
+def chat_chains(seed: int) -> list:
+    """12 conversations of 4 turns: 64 new tokens a turn, an 8-token reply after each."""
+    rng = random.Random(seed)
     chains = []
     for c in range(12):
         history, chain = [], []
@@ -238,15 +235,26 @@ def test_simulated_replicas_over_a_chat_trace():
             chain.append((list(history), 8))
             history = history + [rng.randrange(1, 50_000) for _ in range(8)]
         chains.append(chain)
+    return chains
+
+
+def ideal_hits(chains) -> float:
+    """Turn t's prompt starts with turn t - 1's, whose full blocks a cache can hold (the reply
+    after it is the trace's, not what the replica generated)."""
+    prompts = [[len(p) for p, _ in chain] for chain in chains]
+    return sum(n // 16 * 16 for lens in prompts for n in lens[:-1]) / sum(map(sum, prompts))
+
+
+def test_simulated_replicas_over_a_chat_trace():
+    """benchmarks/route_sim.py: the router and the engine's prefix cache on simulated
+    replicas. Conversations re-sending their history find it cached when routed by prefix
+    and only sometimes in turn; one replica whose cache holds every history finds it all."""
+    from benchmarks.route_sim import simulate
+    chains = chat_chains(0)
     runs = {p: simulate(chains, 2, p, cache_blocks=4096, concurrency=4, think_time=1.0)
             for p in ("prefix", "round_robin")}
     assert all(r["requests"] == 48 for r in runs.values())
-    # turn t's prompt starts with turn t - 1's, whose full blocks the cache holds (the reply
-    # after it is the trace's, not what the replica generated)
-    prompts = [[len(p) for p, _ in chain] for chain in chains]
-    ideal = sum(n // 16 * 16 for lens in prompts for n in lens[:-1])
-    prompts = sum(map(sum, prompts))
-    assert runs["prefix"]["cached_token_fraction"] == pytest.approx(ideal / prompts, abs=0.02)
+    assert runs["prefix"]["cached_token_fraction"] == pytest.approx(ideal_hits(chains), abs=0.02)
     assert runs["round_robin"]["cached_token_fraction"] < 0.8 * runs["prefix"]["cached_token_fraction"]
     one = simulate(chains, 1, "prefix", cache_blocks=4096, concurrency=4, think_time=1.0)
     assert one["cached_token_fraction"] == pytest.approx(runs["prefix"]["cached_token_fraction"], abs=0.02)
@@ -259,17 +267,8 @@ def test_simulated_replicas_with_few_conversations_open():
     few histories finds nearly all of them, where all conversations open at once cycle
     through more histories than it holds and LRU evicts each before its next turn."""
     from benchmarks.route_sim import simulate
-    rng = random.Random(1)
-    chains = []
-    for c in range(12):
-        history, chain = [], []
-        for _ in range(4):
-            history = history + [rng.randrange(1, 50_000) for _ in range(64)]
-            chain.append((list(history), 8))
-            history = history + [rng.randrange(1, 50_000) for _ in range(8)]
-        chains.append(chain)
-    prompts = [[len(p) for p, _ in chain] for chain in chains]
-    ideal = sum(n // 16 * 16 for lens in prompts for n in lens[:-1]) / sum(map(sum, prompts))
+    chains = chat_chains(1)
+    ideal = ideal_hits(chains)
     few = simulate(chains, 1, "prefix", cache_blocks=64, concurrency=2, think_time=0.0, max_active=2)
     every = simulate(chains, 1, "prefix", cache_blocks=64, concurrency=2, think_time=0.0)
     assert few["requests"] == every["requests"] == 48
