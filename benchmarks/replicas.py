@@ -188,7 +188,8 @@ def scaling(args) -> dict:
     out = {}
     wl = _workload_args(args, dataset_name="random", num_prompts=args.scaling_prompts,
                         random_input_len=args.scaling_input_len,
-                        random_output_len=args.scaling_output_len)
+                        random_output_len=args.scaling_output_len,
+                        max_active_conversations=None)  # (a routing-part flag)
     for name, extra in (("one_engine", []), ("two_replicas", ["--data-parallel-size", "2"])):
         with _Server(args, f"scaling-{name}", extra) as s:
             report, _ = _load(s, wl, args.scaling_concurrency)

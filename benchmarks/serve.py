@@ -38,8 +38,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     w.add_argument("--num-tenants", type=int, default=1, help="prefix-chat: tenants, each with "
                    "its own system prompt shared by its conversations")
     w.add_argument("--max-active-conversations", type=int, default=None,
-                   help="prefix-chat: conversations open at a time; the next one starts when "
-                   "one ends (default: all open from the start)")
+                   help="conversations open at a time (a request each, outside prefix-chat); "
+                   "the next one starts when one ends (default: all open from the start)")
     w.add_argument("--image-size", type=int, default=448, help="image: the images' side")
     w.add_argument("--num-unique-images", type=int, default=None,
                    help="image: distinct images among the prompts (default: one per prompt)")
@@ -181,7 +181,7 @@ async def run_load(args, chains, model: str, concurrency: int | None) -> tuple[l
     rng = np.random.default_rng(args.seed)
     sem = asyncio.Semaphore(concurrency) if concurrency else None
     active = getattr(args, "max_active_conversations", None)
-    # asyncio's semaphores wake in FIFO order: conversations open in the workload's order
+    # only the loop below acquires it, so conversations open in the workload's order
     opened = asyncio.Semaphore(active) if active else None
     outcomes: list[Outcome] = []
     limits = httpx.Limits(max_connections=max(concurrency or 0, len(chains)) + 10)
@@ -190,11 +190,11 @@ async def run_load(args, chains, model: str, concurrency: int | None) -> tuple[l
         think = getattr(args, "think_time", 0.0)
 
         async def run_chain(chain, seed):
-            if opened is not None:
-                async with opened:
-                    await run_turns(chain, seed)
-            else:
+            try:
                 await run_turns(chain, seed)
+            finally:
+                if opened is not None:
+                    opened.release()
 
         async def run_turns(chain, seed):
             pause = np.random.default_rng(seed)
@@ -210,6 +210,8 @@ async def run_load(args, chains, model: str, concurrency: int | None) -> tuple[l
         start = time.perf_counter()
         tasks = []
         for c, chain in enumerate(chains):
+            if opened is not None:  # (a conversation arriving while N are open waits its turn)
+                await opened.acquire()
             tasks.append(asyncio.create_task(run_chain(chain, args.seed * 100003 + c)))
             if args.request_rate != float("inf"):
                 await asyncio.sleep(float(rng.exponential(1.0 / args.request_rate)))

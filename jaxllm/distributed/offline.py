@@ -77,9 +77,10 @@ class DataParallelLLMEngine:
         try:
             outs = ray.get(ref)
         except rx.RayTaskError as e:
-            if isinstance(getattr(e, "cause", None), ValueError):
-                raise ValueError(str(e.cause)) from None
             if not isinstance(getattr(e, "cause", None), EngineDeadError):
+                self._forget(items)  # the batch is lost: its requests leave the router's counts
+                if isinstance(getattr(e, "cause", None), ValueError):
+                    raise ValueError(str(e.cause)) from None
                 raise
             return self._resend(replica, items, e)
         except rx.RayActorError as e:
@@ -101,15 +102,21 @@ class DataParallelLLMEngine:
             self._queue(rid, req, (replica,))
         return []
 
+    def _forget(self, items: list) -> None:
+        for _, _, decision in items:
+            self.router.finished(decision)
+
     def abort_request(self, request_id) -> None:
         import ray
         ids = {request_id} if isinstance(request_id, str) else set(request_id)
         for i in list(self._pending):
+            self._forget([it for it in self._pending[i] if it[0] in ids])
             self._pending[i] = [it for it in self._pending[i] if it[0] not in ids]
         for ref, (_, items) in list(self._batches.items()):
             if any(rid in ids for rid, _, _ in items):
                 ray.cancel(ref)
                 del self._batches[ref]
+                self._forget(items)  # (the whole batch is cancelled)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._batches) or any(self._pending.values())

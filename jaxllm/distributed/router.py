@@ -53,6 +53,7 @@ class Decision:
     prefill_tokens: int = 0   # its prompt tokens to prefill, as the router reckons them,
                               # counted in its replica's queue until its first token
     keys: list = field(default=None, repr=False)  # its prompt's block keys (see _Replica.shared)
+    ended: bool = False       # finished() has counted it out
 
 
 @dataclass
@@ -234,8 +235,9 @@ class Router:
         replica's earlier life, before it died, counts no more."""
         self.first_token(decision)
         r = self.replicas[decision.replica]
-        if decision.life != r.life:
+        if decision.life != r.life or decision.ended:
             return
+        decision.ended = True
         r.in_flight = max(r.in_flight - 1, 0)
         for k in decision.keys or ():
             n = r.shared.get(k, 0) - 1
@@ -243,7 +245,6 @@ class Router:
                 r.shared[k] = n
             else:
                 r.shared.pop(k, None)
-        decision.keys = None  # (counted out once)
         r.cached_tokens += max(num_cached_tokens, 0)
 
     def stats(self) -> list[dict]:

@@ -156,3 +156,27 @@ def test_a_resent_request_leaves_nothing_counted_on_the_replica_it_failed_on(mon
     assert relaunched == [1 - first.replica]
     for s in router.stats():
         assert s["in_flight"] == 0 and s["pending_prefill_tokens"] == 0, s
+
+
+def test_offline_abort_counts_requests_out_of_the_router(monkeypatch):
+    """LLM(data_parallel_size=N): aborted requests, queued or in a batch already sent (which
+    is cancelled whole), leave the router's counts, so their prefixes do not stay 'hot'."""
+    import ray
+    from jaxllm.distributed.offline import DataParallelLLMEngine
+    cancelled = []
+    monkeypatch.setattr(ray, "cancel", cancelled.append)
+    eng = object.__new__(DataParallelLLMEngine)
+    eng.router, eng._pending, eng._batches = Router(2, 4, 100), {}, {}
+
+    def item(rid, replica):
+        return rid, None, eng.router.route(list(range(20)) + [len(rid)], exclude=(1 - replica,))
+    eng._pending = {0: [item("q1", 0), item("q2", 0)]}
+    eng._batches = {"ref": (1, [item("b1", 1), item("b2", 1)])}
+    assert [s["in_flight"] for s in eng.router.stats()] == [2, 2]
+    eng.abort_request(["q1", "b1"])
+    assert cancelled == ["ref"] and eng._batches == {} and [it[0] for it in eng._pending[0]] == ["q2"]
+    assert [s["in_flight"] for s in eng.router.stats()] == [1, 0]
+    assert not eng.router.replicas[1].shared
+    eng.abort_request("q2")
+    assert [s["in_flight"] for s in eng.router.stats()] == [0, 0]
+    assert not eng.router.replicas[0].shared

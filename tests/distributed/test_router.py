@@ -125,6 +125,33 @@ def test_many_conversations_in_flight_keep_their_replica():
     assert r2.replicas[hot[0].replica].shared == {}
 
 
+def test_a_shared_system_prompt_is_not_what_holds_a_conversation():
+    """The hot-prefix rule counts the requests sharing the deepest prefix a replica holds of
+    the prompt: conversations of one tenant in flight share its system prompt, not the
+    history that holds this conversation's next turn where it is."""
+    r = Router(2, BS, 1000, balance_abs=2)
+    turns = [r.route(prompt(5, tail=8, seed=c), exclude=(1,)) for c in range(6)]
+    for d in turns[1:]:
+        r.first_token(d)
+    r.finished(turns[0])  # conversation 0's turn ended; the tenant's 5 others are in flight
+    nxt = r.route(prompt(5, tail=8, seed=0) + [7] * 12)
+    assert nxt.replica == 0 and nxt.reason == "prefix" and nxt.cached_blocks == 6
+    # a new conversation of the tenant is drawn only by the system prompt: that one is hot
+    new = r.route(prompt(5, tail=8, seed=99))
+    assert new.replica == 1 and new.reason == "balance"
+
+
+def test_finishing_twice_counts_once():
+    r = Router(2, BS, 1000)
+    a, b = (r.route(prompt(1, tail=t), exclude=(1,)) for t in (2, 3))
+    r.finished(a)
+    r.finished(a)
+    assert r.stats()[0]["in_flight"] == 1
+    assert list(r.replicas[0].shared.values()) == [1, 1, 1, 1]  # b's blocks
+    r.finished(b)
+    assert r.stats()[0]["in_flight"] == 0 and not r.replicas[0].shared
+
+
 def test_a_full_kv_cache_is_avoided():
     r = Router(2, BS, 1000)
     d = r.route(prompt(1))
