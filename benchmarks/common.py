@@ -14,6 +14,15 @@ import time
 import numpy as np
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer of at least 1."""
+    import argparse
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
 def percentiles(values) -> dict:
     if len(values) == 0:
         return {"mean": float("nan"), "median": float("nan"), "p99": float("nan"), "n": 0}

@@ -30,7 +30,7 @@ import statistics
 import time
 
 from benchmarks import serve as bench_serve
-from benchmarks.common import percentiles, start_server, write_result
+from benchmarks.common import percentiles, positive_int, start_server, write_result
 
 KV = {"kv_connector": "RayObjectStoreConnector", "kv_role": "kv_both",
       "kv_connector_extra_config": {"prefill_replicas": 1}}
@@ -52,7 +52,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--concurrency", type=int, default=8)
     g.add_argument("--think-time", type=float, default=2.0, help="mean seconds between a "
                    "conversation's turns")
-    g.add_argument("--max-active-conversations", type=int, default=None,
+    g.add_argument("--max-active-conversations", type=positive_int, default=None,
                    help="conversations open at a time, the next starting when one ends "
                    "(default: all open from the start)")
     g.add_argument("--routing-cache-blocks", type=int, default=1536,
@@ -337,9 +337,6 @@ def run(args) -> int:
     unknown = set(parts) - {"routing", "scaling", "pd", "simulate"}
     if unknown:
         raise ValueError(f"--parts: unknown {sorted(unknown)} (routing, scaling, pd, simulate)")
-    if args.max_active_conversations is not None and args.max_active_conversations < 1:
-        raise ValueError(f"--max-active-conversations must be at least 1, "
-                         f"got {args.max_active_conversations}")
     result = {"serve_args": shlex.split(args.serve_args), "model": args.model or "default"}
     for part in parts:
         result[part] = {"routing": routing, "scaling": scaling, "pd": pd,

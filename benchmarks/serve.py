@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from benchmarks import datasets
-from benchmarks.common import memory_line, percentiles, write_result
+from benchmarks.common import memory_line, percentiles, positive_int, write_result
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -37,7 +37,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "(exponential) a conversation waits before each of its later turns")
     w.add_argument("--num-tenants", type=int, default=1, help="prefix-chat: tenants, each with "
                    "its own system prompt shared by its conversations")
-    w.add_argument("--max-active-conversations", type=int, default=None,
+    w.add_argument("--max-active-conversations", type=positive_int, default=None,
                    help="conversations open at a time (a request each, outside prefix-chat); "
                    "the next one starts when one ends (default: all open from the start)")
     w.add_argument("--image-size", type=int, default=448, help="image: the images' side")
@@ -287,9 +287,6 @@ def run(args) -> int:
     import httpx
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    if args.max_active_conversations is not None and args.max_active_conversations < 1:
-        raise SystemExit(f"--max-active-conversations must be at least 1, "
-                         f"got {args.max_active_conversations}")
     model = args.model
     if model is None:
         r = httpx.get(args.base_url.rstrip("/") + "/v1/models", headers=headers, timeout=30)

@@ -298,7 +298,7 @@ def test_serve_sweep_with_plots(bench_server, tmp_path):
     assert "| 1 |" in md and "| 4 |" in md
 
 
-def test_serve_opens_at_most_max_active_conversations(monkeypatch):
+def test_serve_opens_at_most_max_active_conversations(monkeypatch, capsys):
     """--max-active-conversations N: N conversations are open at a time, in the workload's
     order, the next opening when one has had its last turn (vLLM's multi-turn benchmark's
     flag); a conversation's turns go in order."""
@@ -338,8 +338,10 @@ def test_serve_opens_at_most_max_active_conversations(monkeypatch):
             assert len(done) >= c - 1
             ended += 1
     assert ended == 5
-    with pytest.raises(SystemExit, match="at least 1"):
-        bench_serve.run(argparse.Namespace(**{**vars(args), "max_active_conversations": 0}))
+    for bench in ("serve", "replicas"):  # refused by the parser, naming the flag
+        with pytest.raises(SystemExit):
+            run_cli("bench", bench, "--max-active-conversations", "0")
+        assert "--max-active-conversations: must be at least 1, got 0" in capsys.readouterr().err
 
 
 def test_serve_poisson_and_prefix_chat(bench_server, tmp_path):
