@@ -177,7 +177,9 @@ def compile_kernels(rep, arch: str) -> list[dict]:
         values = kvq.storage_dtype(dtype) if dtype in kvq.KV_CACHE_DTYPES else None
         dt = jnp.dtype(jnp.bfloat16 if values is not None else dtype)
         sds = lambda shape, d: jax.ShapeDtypeStruct(shape, d, sharding=rep)  # noqa: E731
-        md = abstract_step_inputs(T, S, bs, table_width(max_len, bs), q_tile(H // KVH))[1]
+        md = abstract_step_inputs(T, S, bs, q_tile(H // KVH))[1]
+        md = dataclasses.replace(md, block_tables=jax.ShapeDtypeStruct(
+            (S, table_width(max_len, bs)), jnp.int32))
         md = jax.tree.map(lambda x: sds(x.shape, x.dtype), md)
         shape = (layers, 2, KVH, blocks * bs, D)
         cache = (sds(shape, dt) if values is None else
@@ -247,6 +249,7 @@ def compile_steps(mesh, device_memory: int, args) -> dict:
     max_seqs = max(S for _, S in steps)
     sampler = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep),
                            jax.eval_shape(lambda: init_state(max_seqs, arch.vocab_size)))
+    tables = jax.ShapeDtypeStruct((max_seqs + 1, width), jnp.int32, sharding=rep)
 
     def cache(num_blocks):
         shapes = jax.eval_shape(lambda: kvq.make_cache(kv_cache_shape(arch, num_blocks, bs), dtype,
@@ -260,16 +263,16 @@ def compile_steps(mesh, device_memory: int, args) -> dict:
         shapes, kv_sh = cache(num_blocks)
         kv = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, kv_sh)
         ins = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep),
-                           abstract_step_inputs(T, S, bs, width, qt_of(T)))
+                           abstract_step_inputs(T, S, bs, qt_of(T)))
         t0 = time.perf_counter()
-        exe = forward.lower(state, kv, sampler, *packed_step(ins)).compile(
+        exe = forward.lower(state, kv, tables, sampler, *packed_step(ins)).compile(
             step_compiler_options("gpu"))
         return exe, time.perf_counter() - t0
 
     def compile_sample(S):
         ins = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep),
                            abstract_sample_inputs(S, arch.vocab_size,
-                                                  abstract_step_inputs(S, S, bs, width, qt_of(S))[-1]))
+                                                  abstract_step_inputs(S, S, bs, qt_of(S))[-1]))
         logits, smd, mask, use = ins
         return sample.lower(logits, sampler, smd, mask, use).compile(step_compiler_options("gpu"))
 

@@ -23,17 +23,23 @@ def table_width(max_model_len: int, block_size: int) -> int:
 
 
 def attention_metadata(starts: np.ndarray, n: np.ndarray, tables: np.ndarray, T: int, S: int,
-                       block_size: int, qt: int | None = None) -> AttentionMetadata:
+                       block_size: int, qt: int | None = None,
+                       rows: np.ndarray | None = None) -> AttentionMetadata:
     """The flat ragged layout of one step, padded to T tokens and S sequences.
 
     starts[i]: tokens of sequence i already in the cache; n[i]: its tokens this step;
-    tables[i]: its block-table row. Padded tokens write to the null block.
+    tables[i]: its block-table row. Padded tokens write to the null block. With `rows`,
+    sequence i's row is tables[rows[i]] and the metadata's block_tables is left None: the
+    runner's step gathers them on the device (jaxllm.runner.block_table).
     """
     S_real, T_real = len(n), int(n.sum())
     bs = block_size
     qt = qt or q_tile_size(T)
+    given = rows is not None
+    if not given:
+        rows = np.arange(S_real)
     if (n == 1).all():  # one token per sequence (decode steps): no repeats, no tiles
-        return _one_token_each(starts, tables, T, S, bs, qt)
+        return _one_token_each(starts, tables, rows, given, T, S, bs, qt)
     qsl = np.zeros(S + 1, np.int32)
     np.cumsum(n, out=qsl[1:S_real + 1])
     qsl[S_real + 1:] = T_real
@@ -42,10 +48,8 @@ def attention_metadata(starts: np.ndarray, n: np.ndarray, tables: np.ndarray, T:
     positions = np.zeros(T, np.int32)
     positions[:T_real] = np.arange(T_real, dtype=np.int32) + np.repeat(starts - qsl[:S_real], n)
     real_pos = positions[:T_real]
-    block_tables = np.full((S, tables.shape[1]), NULL_BLOCK, np.int32)
-    block_tables[:S_real] = tables
     slots = np.full(T, NULL_BLOCK * bs, np.int32)
-    slots[:T_real] = block_tables[seq_ids[:T_real], real_pos // bs] * bs + real_pos % bs
+    slots[:T_real] = tables[rows[seq_ids[:T_real]], real_pos // bs] * bs + real_pos % bs
     seq_lens = np.zeros(S, np.int32)
     seq_lens[:S_real] = starts + n
 
@@ -59,12 +63,21 @@ def attention_metadata(starts: np.ndarray, n: np.ndarray, tables: np.ndarray, T:
     tile_seq[:num_tiles] = np.repeat(multi, per_seq)
     first_tile = np.repeat(np.cumsum(per_seq) - per_seq, per_seq)
     tile_start[:num_tiles] = qsl[tile_seq[:num_tiles]] + (np.arange(num_tiles) - first_tile) * qt
-    return AttentionMetadata(positions, slots, seq_ids, qsl, seq_lens, block_tables, tile_seq,
-                             tile_start, np.int32(num_tiles), block_size=bs, q_tile=qt)
+    return AttentionMetadata(positions, slots, seq_ids, qsl, seq_lens,
+                             _step_tables(tables, rows, S, given), tile_seq, tile_start,
+                             np.int32(num_tiles), block_size=bs, q_tile=qt)
 
 
-def _one_token_each(starts: np.ndarray, tables: np.ndarray, T: int, S: int, bs: int,
-                    qt: int) -> AttentionMetadata:
+def _step_tables(tables: np.ndarray, rows: np.ndarray, S: int, given: bool) -> np.ndarray | None:
+    if given:
+        return None
+    block_tables = np.full((S, tables.shape[1]), NULL_BLOCK, np.int32)
+    block_tables[:len(rows)] = tables[rows]
+    return block_tables
+
+
+def _one_token_each(starts: np.ndarray, tables: np.ndarray, rows: np.ndarray, given: bool,
+                    T: int, S: int, bs: int, qt: int) -> AttentionMetadata:
     """attention_metadata of a step whose sequences have one token each."""
     S_real = len(starts)
     idx = np.arange(S_real, dtype=np.int32)
@@ -74,13 +87,12 @@ def _one_token_each(starts: np.ndarray, tables: np.ndarray, T: int, S: int, bs: 
     seq_ids[:S_real] = idx
     positions = np.zeros(T, np.int32)
     positions[:S_real] = starts
-    block_tables = np.full((S, tables.shape[1]), NULL_BLOCK, np.int32)
-    block_tables[:S_real] = tables
     slots = np.full(T, NULL_BLOCK * bs, np.int32)
-    slots[:S_real] = tables[idx, starts // bs] * bs + starts % bs
+    slots[:S_real] = tables[rows, starts // bs] * bs + starts % bs
     seq_lens = np.zeros(S, np.int32)
     seq_lens[:S_real] = starts + 1
     W = max_tiles(T, S, qt)
-    return AttentionMetadata(positions, slots, seq_ids, qsl, seq_lens, block_tables,
+    return AttentionMetadata(positions, slots, seq_ids, qsl, seq_lens,
+                             _step_tables(tables, rows, S, given),
                              np.zeros(W, np.int32), np.zeros(W, np.int32), np.int32(0),
                              block_size=bs, q_tile=qt)

@@ -16,7 +16,7 @@ import numpy as np
 logger = logging.getLogger("jaxllm")
 
 # operations
-INIT, STEP, SET_ROWS, COPY, STOP, SAMPLE = range(6)
+INIT, STEP, SET_ROWS, COPY, STOP, SAMPLE, TABLE = range(7)
 _HEADER = 4
 
 

@@ -47,6 +47,7 @@ class StepPrograms:
     passes: Any | None  # multi-step scheduling's decode passes
     state: Any          # the model's weights
     kv_cache: Any
+    tables: Any         # the device's block table (jaxllm.runner.block_table)
     sampler_state: Any
     spec_state: Any | None   # speculative decoding: the draft model's proposals
     lora_weights: Any | None  # LoRA: the adapter slots' weights
@@ -98,8 +99,13 @@ class StepCompiler:
     # shapes
     def abstract_inputs(self, T: int, S: int):
         """A (T, S) step's inputs after the device state (abstract_step_inputs)."""
-        return abstract_step_inputs(T, S, self.block_size, self.max_blocks_per_seq,
-                                    self.q_tile(T), self.num_spec, self.mm_width)
+        return abstract_step_inputs(T, S, self.block_size, self.q_tile(T), self.num_spec,
+                                    self.mm_width)
+
+    def abstract_block_tables(self, S: int):
+        """The block tables a step of S sequences gathers on the device ([S, width])."""
+        return jax.ShapeDtypeStruct((S, self.max_blocks_per_seq), jnp.int32,
+                                    sharding=self.replicated)
 
     def sample_key(self, T: int, S: int):
         """Which compiled sampling a (T, S) step uses: one per seqs bucket, and with
@@ -153,8 +159,8 @@ class StepCompiler:
         extra = (p.spec_state,) if self.num_spec else ()
         inputs = self.abstract_inputs(T, S)
         return executable_cache.compile(
-            p.forward, p.state, p.kv_cache, p.sampler_state, *packed_step(inputs), *inputs[4:],
-            *extra, *self._adapters(T), options=self.options)
+            p.forward, p.state, p.kv_cache, p.tables, p.sampler_state, *packed_step(inputs),
+            *inputs[4:], *extra, *self._adapters(T), options=self.options)
 
     def compile_sample(self, key):
         p = self.programs
@@ -172,7 +178,7 @@ class StepCompiler:
     def compile_passes(self, T: int, S: int):
         p = self.programs
         return executable_cache.compile(
-            p.passes, p.state, p.kv_cache, p.sampler_state,
+            p.passes, p.state, p.kv_cache, p.tables, p.sampler_state,
             *packed_step(self.abstract_inputs(T, S)),
             jax.ShapeDtypeStruct((S,), jnp.int32, sharding=self.replicated),
             *self._adapters(T), options=self.options)

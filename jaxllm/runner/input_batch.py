@@ -13,6 +13,8 @@ bad words) come from the scheduler's output as decided by the request.
 """
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from jaxllm.core.block_pool import NULL_BLOCK
@@ -35,6 +37,9 @@ COLUMNS = {
 }
 
 
+_NO_WRITES = (np.zeros(0, np.int32),) * 3
+
+
 class InputBatch:
     def __init__(self, max_num_seqs: int, max_model_len: int, max_blocks_per_seq: int):
         self.max_num_seqs = max_num_seqs
@@ -44,6 +49,9 @@ class InputBatch:
         self.num_prompt_tokens = np.zeros(max_num_seqs, np.int32)
         self.block_table = np.full((max_num_seqs, max_blocks_per_seq), NULL_BLOCK, np.int32)
         self.num_blocks = np.zeros(max_num_seqs, np.int32)
+        # the block-table entries made since the last step, (row, first column, blocks) in
+        # order: the device's copy of the table is changed by them (jaxllm.runner.block_table)
+        self._writes: list[tuple[int, int, tuple[int, ...]]] = []
         # the columns of one dtype side by side in one table, whose spare last row holds the
         # empty row's values: a step gathers each table once, its padded rows from the spare
         self._tables = []
@@ -135,9 +143,26 @@ class InputBatch:
     def append_blocks(self, row: int, block_ids: list[int]) -> None:
         if not block_ids:
             return
-        start = self.num_blocks[row]
+        start = int(self.num_blocks[row])
         self.block_table[row, start:start + len(block_ids)] = block_ids
         self.num_blocks[row] = start + len(block_ids)
+        self._writes.append((row, start, tuple(block_ids)))  # (a copy: lists may grow later)
+
+    def take_writes(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The block-table entries made since the last call, in order: (rows, columns,
+        blocks)."""
+        writes, self._writes = self._writes, []
+        if not writes:
+            return _NO_WRITES
+        k = len(writes)
+        lens = np.fromiter((len(b) for _, _, b in writes), np.int32, k)
+        first = np.cumsum(lens) - lens
+        rows = np.repeat(np.fromiter((r for r, _, _ in writes), np.int32, k), lens)
+        cols = (np.arange(int(lens.sum()), dtype=np.int32)
+                + np.repeat(np.fromiter((c for _, c, _ in writes), np.int32, k) - first, lens))
+        blocks = np.fromiter(itertools.chain.from_iterable(b for _, _, b in writes), np.int32,
+                             len(rows))
+        return rows, cols, blocks
 
     def banned_tokens(self, row: int) -> list[int]:
         """Last tokens of multi-token bad words whose other tokens end the output so far."""

@@ -7,6 +7,7 @@ decode path beyond building the row list.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import numpy as np
@@ -14,6 +15,7 @@ import numpy as np
 from jaxllm.core.scheduler_output import SchedulerOutput
 from jaxllm.layers.attention import AttentionMetadata
 from jaxllm.layers.attention_metadata import attention_metadata
+from jaxllm.runner.block_table import split_writes, write_capacity
 from jaxllm.runner.buckets import StepShapes
 from jaxllm.runner.input_batch import InputBatch
 from jaxllm.runner.outputs import DispatchedStep
@@ -51,7 +53,10 @@ class InputPreparer:
         shape `pick_shape` chooses. Positions and which rows sample come from the scheduler;
         a token the host does not know yet (sampled by the step still in flight) is -1,
         taken from the device. A multi-step call's inputs are those of its first pass: one
-        token per request. Returns (the step's record, its shape (T, S), its inputs)."""
+        token per request. The attention metadata's block_tables are the block-table entries
+        made since the last step (TableWrites); those the step cannot hold come back as
+        chunks to write before it. Returns (the step's record, its shape (T, S), its inputs,
+        the chunks)."""
         batch = self.batch
         req_ids = list(out.num_scheduled_tokens)
         rows = np.fromiter((batch.row_of[r] for r in req_ids), np.int32, len(req_ids))
@@ -74,8 +79,14 @@ class InputPreparer:
         S_real, T_real = len(req_ids), int(n.sum())
         # a multi-step call takes the decode shape, compiled before serving (passes_shapes)
         T, S = (self.shapes.pick if out.num_passes > 1 else pick_shape)(T_real, S_real)
-        md = attention_metadata(starts, n, batch.block_table[rows], T, S, self.block_size,
-                                self.q_tile(T))
+        md = attention_metadata(starts, n, batch.block_table, T, S, self.block_size,
+                                self.q_tile(T), rows=rows)
+        num_blocks = np.zeros(S, np.int32)
+        num_blocks[:S_real] = batch.num_blocks[rows]
+        writes, chunks = split_writes(*batch.take_writes(),
+                                      write_capacity(T, S, self.block_size), self.max_num_seqs,
+                                      num_blocks)
+        md = dataclasses.replace(md, block_tables=writes)
         tok_rows = rows[md.token_seq_ids[:T_real]]
         pos = md.positions[:T_real]
         input_ids = np.zeros(T, np.int32)
@@ -93,7 +104,7 @@ class InputPreparer:
         step = DispatchedStep(req_ids, rows, batch.serial[rows].copy(), starts, n, final,
                               c["num_logprobs"][rows].copy(), c["num_prompt_logprobs"][rows].copy(),
                               batch.num_prompt_tokens[rows].copy(), nd)
-        return step, (T, S), inputs
+        return step, (T, S), inputs, chunks
 
     def image_features(self, rows: np.ndarray, starts: np.ndarray, n: np.ndarray, md, T: int):
         """(features [T, width], mask [T]): the rows of each image's features whose tokens

@@ -12,6 +12,7 @@ the records of a step (outputs), and with several processes the leader's announc
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -27,6 +28,7 @@ from jaxllm.quantization import kv as kvq
 from jaxllm import executable_cache
 # (jaxllm.quantization.smoothquant reads attention_metadata and kv_cache_shape from here)
 from jaxllm.runner.block_ops import BlockOps
+from jaxllm.runner.block_table import abstract_chunk, build_write, init_tables
 from jaxllm.runner.buckets import step_shapes
 from jaxllm.runner.compiler import StepCompiler, StepPrograms, abstract
 from jaxllm.runner.input_batch import InputBatch
@@ -83,6 +85,8 @@ class ModelRunner:
                                      out_shardings=self.replicated)()
         self.block_ops = BlockOps(kv_shapes, block_size, num_host_blocks, self.kv_sharding)
         self.batch = InputBatch(max_num_seqs, max_model_len, self.max_blocks_per_seq)
+        # the batch's block table on the device, changed by each step's entries
+        self.tables = init_tables(max_num_seqs, self.max_blocks_per_seq, self.replicated)
         self._pending_rows: list[tuple[int, object]] = []  # rows whose sampler state to rebuild
         self._allow_all: dict[int, jax.Array] = {}  # per S: the bitmask of unconstrained steps
         self.num_passes_dispatched = 0  # forward passes dispatched (a multi-step call: its passes)
@@ -112,7 +116,7 @@ class ModelRunner:
                                   self.replicated, lora_args, num_spec_tokens, bool(self.mm_width)),
             sample=build_sample(self.replicated, num_spec_tokens, spec_probabilistic),
             passes=passes, state=abstract(self.state), kv_cache=abstract(self.kv_cache),
-            sampler_state=abstract(self.sampler_state),
+            tables=abstract(self.tables), sampler_state=abstract(self.sampler_state),
             spec_state=abstract(self.spec_state) if num_spec_tokens else None,
             lora_weights=abstract(lora.weights) if lora is not None else None)
         self.compiler = StepCompiler(programs, self.shapes, self.vocab, block_size,
@@ -124,6 +128,7 @@ class ModelRunner:
                                     spec_probabilistic, lora, self.mm_width)
         self._no_mask = jax.device_put(np.bool_(False), self.replicated)
         self._set_rows = build_set_rows(self.replicated)
+        self._write_table = build_write(self.replicated)
 
     def q_tile(self, T: int) -> int:
         return q_tile_size(T, self.attention_backend, self.arch.num_heads // self.arch.num_kv_heads)
@@ -140,6 +145,8 @@ class ModelRunner:
         self._set_rows = executable_cache.compile(
             self._set_rows, abstract(self.sampler_state),
             *abstract_set_rows_inputs(self.max_model_len, self.vocab))
+        self._write_table = executable_cache.compile(self._write_table, abstract(self.tables),
+                                                     *abstract_chunk())
         background = background and self.drafter is None and not self.leader.multiprocess
         self.compiler.compile_all(progress, background)
         if self.drafter is not None:
@@ -184,7 +191,8 @@ class ModelRunner:
     def device_state_lost(self) -> bool:
         """Whether a failed step took the device state with it: a donated buffer deleted, or
         an output of a call that failed on the device (reading it raises)."""
-        leaves = jax.tree.leaves((self.kv_cache, self.sampler_state, self.spec_state))
+        leaves = jax.tree.leaves((self.kv_cache, self.tables, self.sampler_state,
+                                  self.spec_state))
         if self.drafter is not None:
             leaves += jax.tree.leaves(self.drafter.kv_cache)
         try:
@@ -203,6 +211,7 @@ class ModelRunner:
                                           self.dtype, self.kv_cache_dtype, self.kv_bits)[0]
         self.sampler_state = jax.jit(lambda: init_state(self.max_num_seqs, self.vocab),
                                      out_shardings=self.replicated)()
+        self.tables = init_tables(self.max_num_seqs, self.max_blocks_per_seq, self.replicated)
         if self.num_spec:
             self.spec_state = jax.jit(
                 lambda: init_spec_state(self.max_num_seqs, self.num_spec, self.vocab,
@@ -215,6 +224,7 @@ class ModelRunner:
             self.drafter.fresh.clear()
         for rid in list(self.batch.row_of):
             self.batch.remove(rid)
+        self.batch.take_writes()  # (for the old table)
         self._pending_rows = []
 
     # per-step state
@@ -288,8 +298,9 @@ class ModelRunner:
         # with LoRA: the slots' weights and each token's slot (jaxllm.lora)
         adapters = () if token_slots is None else ((self.lora.weights, self._args(token_slots)),)
         extra = (self.spec_state,) if self.num_spec else ()  # a draft model's proposals
-        logits, plp, self.kv_cache, *spec = exe(self.state, self.kv_cache, self.sampler_state,
-                                                step, sampling, *args[4:], *extra, *adapters)
+        logits, plp, self.kv_cache, self.tables, *spec = exe(
+            self.state, self.kv_cache, self.tables, self.sampler_state, step, sampling,
+            *args[4:], *extra, *adapters)
         return ForwardOutput(shape, args, logits, plp, sampling, *spec)
 
     def run_passes(self, shape, inputs, num: np.ndarray, token_slots=None) -> PassesOutput:
@@ -297,8 +308,9 @@ class ModelRunner:
         exe = self.compiler.passes(shape)
         step, sampling = self._packed(inputs)  # (decodes: no images)
         adapters = () if token_slots is None else ((self.lora.weights, self._args(token_slots)),)
-        res, self.kv_cache, self.sampler_state = exe(
-            self.state, self.kv_cache, self.sampler_state, step, sampling, num, *adapters)
+        res, self.kv_cache, self.tables, self.sampler_state = exe(
+            self.state, self.kv_cache, self.tables, self.sampler_state, step, sampling, num,
+            *adapters)
         return res
 
     def run_sample(self, key, fwd: ForwardOutput, bitmask: np.ndarray | None,
@@ -318,7 +330,7 @@ class ModelRunner:
             mask, use = self._args((bitmask, np.bool_(True)))
         extra = ()
         if self.num_spec:
-            raw_v, drafts, _ = fwd.verify
+            raw_v, drafts, *_ = fwd.verify
             extra = (raw_v, drafts, fwd.args[4], self.spec_state)
         res, self.sampler_state = exe(fwd.logits, self.sampler_state, fwd.smd, mask, use, *extra)
         return res
@@ -326,6 +338,11 @@ class ModelRunner:
     def _set_sampler_rows(self, args, announced: bool = False) -> None:
         args = self.leader.broadcast(mp.SET_ROWS, inputs=args, announced=announced)
         self.sampler_state = self._set_rows(self.sampler_state, *self._args(args))
+
+    def _write_chunk(self, chunk, announced: bool = False) -> None:
+        """Block-table entries a step could not hold (block_table.WRITE_CHUNK of them)."""
+        chunk = self.leader.broadcast(mp.TABLE, inputs=chunk, announced=announced)
+        self.tables = self._write_table(self.tables, *self._args(chunk))
 
     def _copy_blocks(self, pairs, announced: bool = False) -> None:
         if self.leader.multiprocess:
@@ -359,8 +376,12 @@ class ModelRunner:
         def copy(n, _):
             self._copy_blocks(np.zeros((n, 2), np.int32), announced=True)
 
+        def table(*_):
+            self._write_chunk(jax.tree.map(lambda x: np.zeros(x.shape, x.dtype),
+                                           abstract_chunk()), announced=True)
+
         self.leader.follow({mp.STEP: step, mp.SAMPLE: sample, mp.SET_ROWS: set_rows,
-                            mp.COPY: copy})
+                            mp.COPY: copy, mp.TABLE: table})
 
     def stop_followers(self) -> None:
         self.leader.stop_followers()
@@ -383,7 +404,9 @@ class ModelRunner:
         self._update_states(out)
         if out.is_empty:
             return None
-        step, shape, inputs = self.inputs.prepare(out, self.pick_shape)
+        step, shape, inputs, chunks = self.inputs.prepare(out, self.pick_shape)
+        for chunk in chunks:
+            self._write_chunk(chunk)
         smd = inputs[3]
         slots = None
         if self.lora is not None:
@@ -417,7 +440,9 @@ class ModelRunner:
             flight.result = SamplerOutput(*res, *fwd.plp)
         flight.pending = None
         if self.drafter is not None:  # the next step's proposals, right behind this one
-            self.drafter.propose(self, fwd.shape, fwd.args, flight.result, flight.step)
+            ids, md, *rest = fwd.args  # (the block tables as the step gathered them)
+            args = (ids, dataclasses.replace(md, block_tables=fwd.verify[3]), *rest)
+            self.drafter.propose(self, fwd.shape, args, flight.result, flight.step)
 
     def collect(self, flight: InFlight | None) -> RunnerOutput:
         """Wait for a dispatched step and bring its tokens (and logprobs) to the host. The

@@ -69,7 +69,8 @@ class ForwardOutput:
     plp: tuple           # prompt logprobs
     smd: Packed          # the sampling metadata as sampling reads it (packed_step)
     verify: tuple | None = None  # speculative decoding: (raw logits at the verified
-    #                              positions, the proposals, the resolved input ids)
+    #                              positions, the proposals, the resolved input ids, the
+    #                              block tables the step gathered)
 
 
 @dataclass

@@ -36,13 +36,16 @@ class StepReplay:
 
     def step(self, kv_cache, sampler_state):
         """The step as the engine launches it, on the given cache and sampler state (both
-        donated): (results, cache, sampler state)."""
-        state = self.runner.state
+        donated): (results, cache, sampler state). The runner's device block table goes
+        through it too (the step's entries written again change nothing)."""
+        runner = self.runner
         if self._num is not None:
-            return self._passes(state, kv_cache, sampler_state, *self.args[:2], self._num,
-                                *self._adapters)
-        logits, _, kv_cache = self._forward(state, kv_cache, sampler_state, *self.args,
-                                            *self._adapters)
+            res, kv_cache, runner.tables, sampler_state = self._passes(
+                runner.state, kv_cache, runner.tables, sampler_state, *self.args[:2],
+                self._num, *self._adapters)
+            return res, kv_cache, sampler_state
+        logits, _, kv_cache, runner.tables = self._forward(
+            runner.state, kv_cache, runner.tables, sampler_state, *self.args, *self._adapters)
         res, sampler_state = self._sample(logits, sampler_state, self.smd, self._mask,
                                           self._use_mask)
         return res, kv_cache, sampler_state
@@ -53,13 +56,19 @@ class StepReplay:
         runner, programs = self.runner, self.runner.compiler.programs
         mask, use_mask = self._mask, self._use_mask
 
-        def one_call(state, kv_cache, sampler_state, *args):
-            logits, _, kv_cache = programs.forward(state, kv_cache, sampler_state, *args)
+        def one_call(state, kv_cache, tables, sampler_state, *args):
+            logits, _, kv_cache, tables = programs.forward(state, kv_cache, tables,
+                                                           sampler_state, *args)
             res, sampler_state = programs.sample(logits, sampler_state, args[1], mask, use_mask)
-            return res, kv_cache, sampler_state
+            return res, kv_cache, tables, sampler_state
 
-        exe = jax.jit(one_call, donate_argnums=(1, 2)).lower(
-            runner.state, runner.kv_cache, runner.sampler_state, *self.args, *self._adapters
-        ).compile()
-        return lambda kv_cache, sampler_state: exe(runner.state, kv_cache, sampler_state,
-                                                   *self.args, *self._adapters)
+        exe = jax.jit(one_call, donate_argnums=(1, 2, 3)).lower(
+            runner.state, runner.kv_cache, runner.tables, runner.sampler_state, *self.args,
+            *self._adapters).compile()
+
+        def call(kv_cache, sampler_state):
+            res, kv_cache, runner.tables, sampler_state = exe(
+                runner.state, kv_cache, runner.tables, sampler_state, *self.args,
+                *self._adapters)
+            return res, kv_cache, sampler_state
+        return call

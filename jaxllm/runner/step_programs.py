@@ -15,6 +15,7 @@ from flax import nnx
 
 from jaxllm.core.block_pool import NULL_BLOCK
 from jaxllm.layers.attention import AttentionMetadata, max_tiles
+from jaxllm.runner.block_table import abstract_writes, resolve
 from jaxllm.lora.ops import LoRAInputs
 from jaxllm.runner.outputs import PassesOutput
 from jaxllm.runner.packing import Packed
@@ -41,13 +42,19 @@ def build_forward(graphdef, vocab: int, state_sharding, kv_sharding, replicated,
       and the proposals a draft model left on the device (SpecState: -2 - j in the input ids
       is proposal j); it then also returns what verification needs: the raw logits at the
       verified positions, the proposals they score, and the step's input ids as resolved.
-    The two are not combined (EngineConfig refuses it). A vision-language model's step
+    The two are not combined (EngineConfig refuses it). The device's block table comes
+    after the cache (donated; jaxllm.runner.block_table): the step writes its entries and
+    gathers its sequences' rows, and returns it after the cache (with speculative decoding
+    the gathered rows also go with what verification needs, for a draft model). A
+    vision-language model's step
     (`multimodal`) takes (image features [T, E], their tokens' mask [T]) right after the
     sampling metadata (InputPreparer.image_features); it is not combined with speculation."""
 
-    def forward(state, kv_cache, sampler_state, step, sampling, *extra):
+    def forward(state, kv_cache, tables, sampler_state, step, sampling, *extra):
         input_ids, md, logits_indices, next_ids = step.unpack()
         smd = dataclasses.replace(sampling.unpack(), next_ids=next_ids)
+        tables, block_tables = resolve(tables, md.block_tables, smd.rows)
+        md = dataclasses.replace(md, block_tables=block_tables)
         mm = None
         if multimodal:
             mm, *extra = extra
@@ -75,22 +82,23 @@ def build_forward(graphdef, vocab: int, state_sharding, kv_sharding, replicated,
                                       md.query_start_loc[-1], vocab),
             lambda h: zeros, hidden)
         if not num_spec:
-            return logits.astype(jnp.float32), plp, kv_cache
+            return logits.astype(jnp.float32), plp, kv_cache, tables
         R = vmd.token_idx.shape[0]
         raw_v = jax.lax.cond(
             vmd.any_spec,
             lambda h: model.compute_logits(h[vmd.token_idx]).astype(jnp.float32),
             lambda h: jnp.zeros((R, vocab), jnp.float32), hidden)
         drafts = input_ids[vmd.token_idx + 1]  # each proposal follows the token that scores it
-        return logits.astype(jnp.float32), plp, kv_cache, (raw_v, drafts, input_ids)
+        return (logits.astype(jnp.float32), plp, kv_cache, tables,
+                (raw_v, drafts, input_ids, block_tables))
 
     rep = replicated
     extra = (rep, rep) if num_spec else () if lora is None else ((lora[0], rep),)
     if multimodal:
         extra = ((rep, rep), *extra)
-    outs = (rep, rep, kv_sharding) + ((rep,) if num_spec else ())
-    return jax.jit(forward, donate_argnums=(1,),
-                   in_shardings=(state_sharding, kv_sharding, rep, rep, rep, *extra),
+    outs = (rep, rep, kv_sharding, rep) + ((rep,) if num_spec else ())
+    return jax.jit(forward, donate_argnums=(1, 2),
+                   in_shardings=(state_sharding, kv_sharding, rep, rep, rep, rep, *extra),
                    out_shardings=outs)
 
 
@@ -134,11 +142,14 @@ def build_decode_passes(graphdef, state_sharding, kv_sharding, replicated, num_p
     `num` [S], the passes each sequence takes: after its last one a sequence's pass computes
     its last position again, writing nothing (slot: the null block) and sampling nothing
     (is_final off), so the sampler state and the cache end as after num[i] single steps. The
-    cache and the sampler state are donated. With LoRA, each token's slot stays the same."""
+    cache, the device's block table (as in build_forward) and the sampler state are donated.
+    With LoRA, each token's slot stays the same."""
 
-    def passes(state, kv_cache, sampler_state, step, sampling, num, *adapters):
+    def passes(state, kv_cache, tables, sampler_state, step, sampling, num, *adapters):
         input_ids, md, logits_indices, _ = step.unpack()
         smd = sampling.unpack()
+        tables, block_tables = resolve(tables, md.block_tables, smd.rows)
+        md = dataclasses.replace(md, block_tables=block_tables)
         model = nnx.merge(graphdef, state)
         T = input_ids.shape[0]
         bs = md.block_size
@@ -173,13 +184,14 @@ def build_decode_passes(graphdef, state_sharding, kv_sharding, replicated, num_p
         (kv_cache, sampler_state, _), outs = jax.lax.scan(
             body, (kv_cache, sampler_state, tok0), jnp.arange(num_passes))
         tokens, lp, rank, top_ids, top_lp = (jnp.moveaxis(x, 0, 1) for x in outs)
-        return PassesOutput(tokens, num, lp, rank, top_ids, top_lp), kv_cache, sampler_state
+        return (PassesOutput(tokens, num, lp, rank, top_ids, top_lp), kv_cache, tables,
+                sampler_state)
 
     rep = replicated
     extra = () if lora is None else ((lora[0], rep),)
-    return jax.jit(passes, donate_argnums=(1, 2),
-                   in_shardings=(state_sharding, kv_sharding) + (rep,) * 4 + extra,
-                   out_shardings=(rep, kv_sharding, rep))
+    return jax.jit(passes, donate_argnums=(1, 2, 3),
+                   in_shardings=(state_sharding, kv_sharding) + (rep,) * 5 + extra,
+                   out_shardings=(rep, kv_sharding, rep, rep))
 
 
 def sampling_only(smd):
@@ -223,16 +235,17 @@ def step_compiler_options(platform: str) -> dict | None:
     return {"xla_gpu_memory_limit_slop_factor": 10000} if platform == "gpu" else None
 
 
-def abstract_step_inputs(T: int, S: int, block_size: int, max_blocks_per_seq: int, qt: int,
-                         num_spec: int = 0, mm_width: int = 0):
-    """Shapes of a (T tokens, S sequences) step's inputs after the state, cache and sampler
-    state: input ids, attention metadata, logits indices, sampling metadata (and with
-    speculative decoding the verified positions)."""
+def abstract_step_inputs(T: int, S: int, block_size: int, qt: int, num_spec: int = 0,
+                         mm_width: int = 0):
+    """Shapes of a (T tokens, S sequences) step's inputs after the state, cache, block table
+    and sampler state: input ids, attention metadata (its block_tables: the step's
+    TableWrites), logits indices, sampling metadata (and with speculative decoding the
+    verified positions)."""
     i32, f32, b = jnp.int32, jnp.float32, jnp.bool_
     sds = jax.ShapeDtypeStruct
     W = max_tiles(T, S, qt)
     md = AttentionMetadata(sds((T,), i32), sds((T,), i32), sds((T,), i32), sds((S + 1,), i32),
-                           sds((S,), i32), sds((S, max_blocks_per_seq), i32),
+                           sds((S,), i32), abstract_writes(T, S, block_size),
                            sds((W,), i32), sds((W,), i32), sds((), i32),
                            block_size=block_size, q_tile=qt)
     per_seq = dict(temperature=f32, top_k=i32, top_p=f32, min_p=f32, seeds=jnp.uint32,

@@ -162,6 +162,7 @@ class DraftModel:
     # host side
     def _compile_mirror(self, runner, T: int, S: int):
         ids, md, _, smd, vmd = runner.compiler.abstract_inputs(T, S)
+        md = dataclasses.replace(md, block_tables=runner.compiler.abstract_block_tables(S))
         rep = runner.replicated
         sds = jax.ShapeDtypeStruct
         tokens = sds((S, self.k + 1), jnp.int32, sharding=rep)
@@ -179,7 +180,8 @@ class DraftModel:
         return executable_cache.compile(self._decode, abstract(self.state),
                                         abstract(self.kv_cache),
                                         abstract(runner.spec_state),
-                                        abstract(runner.sampler_state), md.block_tables, smd,
+                                        abstract(runner.sampler_state),
+                                        runner.compiler.abstract_block_tables(S), smd,
                                         start, i32())
 
     def compile_all(self, runner, progress: bool = True) -> None:

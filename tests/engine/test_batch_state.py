@@ -3,7 +3,7 @@ tokens written, rows freed); after random arrivals, finishes, aborts, preemption
 and swap) and n > 1 forks it equals a batch rebuilt from scratch out of the scheduler's
 running requests, at every step, in the synchronous, async and multi-step loops. So do the
 on-device sampler rows (output counts, prompt masks, biases, stop masks) that penalties and
-biases read."""
+biases read, and the block table the device keeps by the entries each step sends."""
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -102,14 +102,42 @@ def check_rows(engine, device: bool) -> int:
     return checked
 
 
+def check_device_table(runner) -> None:
+    """The block table on the device, as a step gathers it (each row masked past its block
+    count), equals the host's for every live row, and the spare row is all null. Called
+    when every entry made so far has gone out with a step."""
+    batch = runner.batch
+    device = np.asarray(runner.tables)
+    assert (device[batch.max_num_seqs] == NULL_BLOCK).all()
+    for rid, row in batch.row_of.items():
+        nb = int(batch.num_blocks[row])
+        np.testing.assert_array_equal(device[row, :nb], batch.block_table[row, :nb], rid)
+        assert (batch.block_table[row, nb:] == NULL_BLOCK).all(), rid
+
+
 def watched(engine, device: bool, seen: dict):
     """Check the rows each time the runner has applied a scheduler output (the moment the
-    batch must match what the scheduler holds), before the step's inputs are read. The
-    engine contains a failed step (its requests end with an error), so a failed check is
-    also kept in seen["failures"]."""
-    update = engine.runner._update_states
+    batch must match what the scheduler holds), before the step's inputs are read; and
+    the device's block table just before, when the last step took every entry made (a step
+    with nothing to compute leaves them for the next). The engine contains a failed step
+    (its requests end with an error), so a failed check is also kept in seen["failures"].
+    seen["chunks"] counts the entries written ahead of a step that could not hold them."""
+    runner = engine.runner
+    update, write_chunk = runner._update_states, runner._write_chunk
+
+    def chunk_and_count(chunk, *a, **kw):
+        seen["chunks"] = seen.get("chunks", 0) + 1
+        write_chunk(chunk, *a, **kw)
+    runner._write_chunk = chunk_and_count
 
     def update_and_check(out):
+        if not runner.batch._writes:
+            try:
+                check_device_table(runner)
+            except AssertionError as e:
+                seen["failures"].append(e)
+                raise
+            seen["device_tables"] = seen.get("device_tables", 0) + 1
         update(out)
         seen["steps"] += 1
         try:
@@ -146,9 +174,9 @@ def test_the_batch_kept_by_deltas_equals_a_rebuild(engines, workload, loop, seed
     try:
         run(engine, workload, tokens)
     finally:
-        del engine.runner._update_states
+        del engine.runner._update_states, engine.runner._write_chunk
     assert not seen["failures"], seen["failures"][0]
-    assert seen["steps"] > 0
+    assert seen["steps"] > 0 and seen["device_tables"] > 0
     # rows of requests that finished last are freed by the next step's output, which names them
     assert set(engine.runner.batch.row_of) <= engine.scheduler._finished_ids
 
@@ -169,10 +197,11 @@ def test_the_check_sees_preemptions_swaps_and_device_rows(engines):
         before = engine.scheduler.num_preemptions, engine.scheduler.num_swaps
         run(engine, workload, tokens)
     finally:
-        del engine.runner._update_states
+        del engine.runner._update_states, engine.runner._write_chunk
     assert not seen["failures"], seen["failures"][0]
     assert seen["preemptions"] > before[0] and seen["swaps"] > before[1]
-    assert seen["device_rows"] > 0
+    assert seen["device_rows"] > 0 and seen["device_tables"] > 0
+    assert seen.get("chunks", 0) > 0  # some step could not hold its entries
 
     # a drifted row fails the check
     engine.add_request("drift", {"prompt_token_ids": tokens[0][:20].tolist()},
@@ -183,6 +212,13 @@ def test_the_check_sees_preemptions_swaps_and_device_rows(engines):
     with pytest.raises(AssertionError):
         check_rows(engine, True)
     engine.runner.batch.block_table[row, engine.runner.batch.num_blocks[row]] = NULL_BLOCK
+    # and so does a device table that missed an entry
+    check_device_table(engine.runner)
+    good = engine.runner.tables
+    engine.runner.tables = good.at[row, 0].set(good[row, 0] + 1)
+    with pytest.raises(AssertionError):
+        check_device_table(engine.runner)
+    engine.runner.tables = good
     engine.abort_request("drift")
     while engine.has_unfinished_requests():
         engine.step()

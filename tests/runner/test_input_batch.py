@@ -96,6 +96,42 @@ def test_block_tables_append_and_a_new_holder_starts_from_an_empty_table():
     assert batch.num_blocks[row] == 1
 
 
+def test_block_table_entries_go_to_the_device_in_order_and_the_table_matches():
+    """The entries made since the last step come out in order; a step holds the last of
+    them and the earlier ones go ahead in chunks; written on the device, masked by the
+    block counts, the step's rows are the host's, stale columns of a reused row hidden."""
+    import jax.numpy as jnp
+    from jaxllm.runner import block_table as bt
+    batch = make_batch(width=6)
+    a = add(batch, "a", blocks=(4, 9))
+    batch.append_blocks(a, [11])
+    b = add(batch, "b", blocks=(7,))
+    rows, cols, blocks = batch.take_writes()
+    assert list(zip(rows.tolist(), cols.tolist(), blocks.tolist())) == [
+        (a, 0, 4), (a, 1, 9), (a, 2, 11), (b, 0, 7)]
+    assert all(len(x) == 0 for x in batch.take_writes())  # taken once
+    # a reused row: its old holder's columns stay on the device, masked
+    batch.remove("a")
+    assert add(batch, "c", blocks=(2,)) == a
+    batch.append_blocks(b, [8, 13])
+    more = batch.take_writes()
+    # (the device table after the first step's entries)
+    tables = bt.write(jnp.full((5, 6), NULL_BLOCK, jnp.int32), rows, cols, blocks)
+    step_rows = np.array([b, a, 4, 4], np.int32)  # two sequences, two padded (the spare row)
+    nb = np.zeros(4, np.int32)
+    nb[:2] = batch.num_blocks[step_rows[:2]]
+    writes, chunks = bt.split_writes(*more, 1, 4, nb)  # room for one entry in the step
+    assert writes.rows.tolist() == [b] and writes.blocks.tolist() == [13]
+    assert len(chunks) == 1 and chunks[0][0][:2].tolist() == [a, b]
+    assert chunks[0][0][2:].tolist() == [4] * (bt.WRITE_CHUNK - 2)  # padding: the spare row
+    tables = bt.write(tables, *chunks[0])
+    tables, gathered = bt.resolve(tables, writes, jnp.asarray(step_rows))
+    gathered = np.asarray(gathered)
+    np.testing.assert_array_equal(gathered[:2], batch.block_table[step_rows[:2]])
+    assert (gathered[2:] == NULL_BLOCK).all() and (np.asarray(tables)[4] == NULL_BLOCK).all()
+    assert np.asarray(tables)[a, :3].tolist() == [2, 9, 11]  # stale past the mask
+
+
 def test_each_holder_of_a_row_gets_a_new_serial():
     batch = make_batch()
     row = add(batch, "a")
