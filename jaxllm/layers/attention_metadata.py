@@ -24,13 +24,13 @@ def table_width(max_model_len: int, block_size: int) -> int:
 
 def attention_metadata(starts: np.ndarray, n: np.ndarray, tables: np.ndarray, T: int, S: int,
                        block_size: int, qt: int | None = None,
-                       rows: np.ndarray | None = None) -> AttentionMetadata:
+                       rows: np.ndarray | None = None, on_device=None) -> AttentionMetadata:
     """The flat ragged layout of one step, padded to T tokens and S sequences.
 
     starts[i]: tokens of sequence i already in the cache; n[i]: its tokens this step;
     tables[i]: its block-table row. Padded tokens write to the null block. With `rows`,
-    sequence i's row is tables[rows[i]] and the metadata's block_tables is left None: the
-    runner's step gathers them on the device (jaxllm.runner.block_table).
+    sequence i's row is tables[rows[i]] and the metadata's block_tables is `on_device`:
+    what the runner's step gathers them from on the device (jaxllm.runner.block_table).
     """
     S_real, T_real = len(n), int(n.sum())
     bs = block_size
@@ -39,7 +39,7 @@ def attention_metadata(starts: np.ndarray, n: np.ndarray, tables: np.ndarray, T:
     if not given:
         rows = np.arange(S_real)
     if (n == 1).all():  # one token per sequence (decode steps): no repeats, no tiles
-        return _one_token_each(starts, tables, rows, given, T, S, bs, qt)
+        return _one_token_each(starts, tables, rows, given, on_device, T, S, bs, qt)
     qsl = np.zeros(S + 1, np.int32)
     np.cumsum(n, out=qsl[1:S_real + 1])
     qsl[S_real + 1:] = T_real
@@ -64,20 +64,20 @@ def attention_metadata(starts: np.ndarray, n: np.ndarray, tables: np.ndarray, T:
     first_tile = np.repeat(np.cumsum(per_seq) - per_seq, per_seq)
     tile_start[:num_tiles] = qsl[tile_seq[:num_tiles]] + (np.arange(num_tiles) - first_tile) * qt
     return AttentionMetadata(positions, slots, seq_ids, qsl, seq_lens,
-                             _step_tables(tables, rows, S, given), tile_seq, tile_start,
+                             _step_tables(tables, rows, S, given, on_device), tile_seq, tile_start,
                              np.int32(num_tiles), block_size=bs, q_tile=qt)
 
 
-def _step_tables(tables: np.ndarray, rows: np.ndarray, S: int, given: bool) -> np.ndarray | None:
+def _step_tables(tables: np.ndarray, rows: np.ndarray, S: int, given: bool, on_device):
     if given:
-        return None
+        return on_device
     block_tables = np.full((S, tables.shape[1]), NULL_BLOCK, np.int32)
     block_tables[:len(rows)] = tables[rows]
     return block_tables
 
 
 def _one_token_each(starts: np.ndarray, tables: np.ndarray, rows: np.ndarray, given: bool,
-                    T: int, S: int, bs: int, qt: int) -> AttentionMetadata:
+                    on_device, T: int, S: int, bs: int, qt: int) -> AttentionMetadata:
     """attention_metadata of a step whose sequences have one token each."""
     S_real = len(starts)
     idx = np.arange(S_real, dtype=np.int32)
@@ -93,6 +93,6 @@ def _one_token_each(starts: np.ndarray, tables: np.ndarray, rows: np.ndarray, gi
     seq_lens[:S_real] = starts + 1
     W = max_tiles(T, S, qt)
     return AttentionMetadata(positions, slots, seq_ids, qsl, seq_lens,
-                             _step_tables(tables, rows, S, given),
+                             _step_tables(tables, rows, S, given, on_device),
                              np.zeros(W, np.int32), np.zeros(W, np.int32), np.int32(0),
                              block_size=bs, q_tile=qt)

@@ -15,6 +15,7 @@ by a small program of their own, WRITE_CHUNK entries a call, in the order they w
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -85,6 +86,8 @@ def split_writes(rows: np.ndarray, cols: np.ndarray, blocks: np.ndarray, capacit
     step's TableWrites (padded), the earlier ones as WRITE_CHUNK-sized chunks to write first.
     Returns (writes, chunks)."""
     n = len(rows)
+    if n == 0:  # (most decode steps)
+        return TableWrites(*_no_writes(capacity, spare_row), num_blocks), []
     cut = max(0, n - capacity)
     chunks = []
     for lo in range(0, cut, WRITE_CHUNK):
@@ -94,6 +97,15 @@ def split_writes(rows: np.ndarray, cols: np.ndarray, blocks: np.ndarray, capacit
     step = TableWrites(_padded(rows[cut:], capacity, spare_row), _padded(cols[cut:], capacity, 0),
                        _padded(blocks[cut:], capacity, NULL_BLOCK), num_blocks)
     return step, chunks
+
+
+@functools.lru_cache(maxsize=64)
+def _no_writes(capacity: int, spare_row: int) -> tuple[np.ndarray, ...]:
+    """A step's entries when it has none: all padding (read-only, shared)."""
+    out = tuple(np.full(capacity, fill, np.int32) for fill in (spare_row, 0, NULL_BLOCK))
+    for x in out:
+        x.flags.writeable = False
+    return out
 
 
 def _padded(x: np.ndarray, size: int, fill: int) -> np.ndarray:

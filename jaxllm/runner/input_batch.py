@@ -67,6 +67,7 @@ class InputBatch:
         self.lora_id = np.zeros(max_num_seqs, np.int64)  # the row's adapter key; 0: none
         self.mm: dict[int, list] = {}  # row -> its images (Request.mm), rows with any only
         self.row_of: dict[str, int] = {}
+        self.version = 0  # changes whenever a row is taken or freed (and so its columns)
         # which request holds a row: a step's results for an earlier holder (finished while the
         # step ran, its id perhaps reused since) must not land in it
         self.serial = np.zeros(max_num_seqs, np.int64)
@@ -113,6 +114,7 @@ class InputBatch:
             self.rows_with_bad_words.add(row)
         self.lora_id[row] = lora_id or 0
         self.row_of[req_id] = row
+        self.version += 1
         self._next_serial += 1
         self.serial[row] = self._next_serial
         return row
@@ -121,6 +123,7 @@ class InputBatch:
         row = self.row_of.pop(req_id, None)
         if row is None:
             return None
+        self.version += 1
         self.bad_words[row] = None
         self.rows_with_bad_words.discard(row)
         self.mm.pop(row, None)

@@ -7,7 +7,6 @@ decode path beyond building the row list.
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable
 
 import numpy as np
@@ -47,6 +46,9 @@ class InputPreparer:
         # a vision-language model: every step also carries image features [T, mm_width] and
         # the mask of the tokens they replace (the step's last input)
         self.mm_width = mm_width
+        self._view: _RowsView | None = None  # the last step's rows (rows_view)
+        self._none_banned: dict = {}  # read-only constants per shape
+        self._no_next_ids: dict = {}
 
     def prepare(self, out: SchedulerOutput, pick_shape: Callable[[int, int], tuple[int, int]]):
         """Padded numpy inputs of one step, vectorised over persistent-batch rows, in the
@@ -79,14 +81,13 @@ class InputPreparer:
         S_real, T_real = len(req_ids), int(n.sum())
         # a multi-step call takes the decode shape, compiled before serving (passes_shapes)
         T, S = (self.shapes.pick if out.num_passes > 1 else pick_shape)(T_real, S_real)
-        md = attention_metadata(starts, n, batch.block_table, T, S, self.block_size,
-                                self.q_tile(T), rows=rows)
         num_blocks = np.zeros(S, np.int32)
         num_blocks[:S_real] = batch.num_blocks[rows]
         writes, chunks = split_writes(*batch.take_writes(),
                                       write_capacity(T, S, self.block_size), self.max_num_seqs,
                                       num_blocks)
-        md = dataclasses.replace(md, block_tables=writes)
+        md = attention_metadata(starts, n, batch.block_table, T, S, self.block_size,
+                                self.q_tile(T), rows=rows, on_device=writes)
         tok_rows = rows[md.token_seq_ids[:T_real]]
         pos = md.positions[:T_real]
         input_ids = np.zeros(T, np.int32)
@@ -100,10 +101,9 @@ class InputPreparer:
             inputs += (self.verify_metadata(spec, req_ids, n, nd, md, smd, input_ids, T, S),)
         if self.mm_width:
             inputs += (self.image_features(rows, starts, n, md, T),)
-        c = batch.cols
-        step = DispatchedStep(req_ids, rows, batch.serial[rows].copy(), starts, n, final,
-                              c["num_logprobs"][rows].copy(), c["num_prompt_logprobs"][rows].copy(),
-                              batch.num_prompt_tokens[rows].copy(), nd)
+        view = self._view  # (the rows' columns, as sampling_metadata read them)
+        step = DispatchedStep(req_ids, rows, view.serials, starts, n, final, view.num_logprobs,
+                              view.num_prompt_logprobs, view.num_prompt_tokens, nd)
         return step, (T, S), inputs, chunks
 
     def image_features(self, rows: np.ndarray, starts: np.ndarray, n: np.ndarray, md, T: int):
@@ -161,51 +161,93 @@ class InputPreparer:
         return VerifyMetadata(token_idx, pad, pos_pad, valid, nd_pad, prob, np.bool_(R_real > 0),
                               np.bool_(prob.any()))
 
+    def rows_view(self, rows: np.ndarray, S: int) -> "_RowsView":
+        """What the step's rows hold that changes only when a row is taken or freed: their
+        sampling columns and the flags read from them, kept while the batch's rows and the
+        step's rows stay the same (every decode step of a steady batch)."""
+        key = (self.batch.version, S, rows.tobytes())
+        view = self._view
+        if view is None or view.key != key:
+            view = self._view = _RowsView(self.batch, rows, S, self.max_num_seqs, key)
+        return view
+
     def sampling_metadata(self, rows, n, starts, final, md, T: int, S: int,
                           num_draft=None) -> SamplingMetadata:
         batch = self.batch
+        view = self.rows_view(rows, S)
+        cols = view.cols
         S_real, T_real = len(rows), int(n.sum())
-        pad_rows = np.full(S, self.max_num_seqs, np.int32)
-        pad_rows[:S_real] = rows
-        cols = batch.gather_cols(pad_rows)  # (padded rows: the empty row's values)
         # the output index of the token each row samples: its seed stream's position
         gen_index = np.zeros(S, np.int32)
-        gen_index[:S_real] = starts + n - batch.num_prompt_tokens[rows]
-        # verified proposals are drawn at earlier output indices than the row's last token
-        first_index = gen_index.copy()
-        if num_draft is not None:
-            first_index[:S_real] -= num_draft
+        gen_index[:S_real] = starts + n - view.num_prompt_tokens
+        any_min_tokens = False
+        if view.any_min_tokens:
+            # verified proposals are drawn at earlier output indices than the row's last token
+            first_index = gen_index.copy()
+            if num_draft is not None:
+                first_index[:S_real] -= num_draft
+            any_min_tokens = bool((cols["min_tokens"] > first_index).any())
         is_final = np.zeros(S, np.bool_)
         is_final[:S_real] = final
-        banned = np.full((S, MAX_BANNED), -1, np.int32)
-        any_banned = False
+        banned, any_banned = _constant(self._none_banned, (S, MAX_BANNED), -1), False
         if batch.rows_with_bad_words:  # (few requests have them: no loop over all rows)
             for i in np.nonzero(np.isin(rows, list(batch.rows_with_bad_words)))[0].tolist():
                 b = batch.banned_tokens(int(rows[i]))[:MAX_BANNED]
-                banned[i, :len(b)] = b
-                any_banned |= bool(b)
-        next_ids = np.zeros(T, np.int32)
-        want_plp = (cols["num_prompt_logprobs"] >= 0) & (np.arange(S) < S_real)
-        any_plp = bool(want_plp.any())
-        if any_plp:
+                if b:
+                    if not any_banned:
+                        banned = banned.copy()
+                    banned[i, :len(b)] = b
+                    any_banned = True
+        next_ids = _constant(self._no_next_ids, (T,), 0)
+        if view.any_prompt_logprobs:
+            next_ids = np.zeros(T, np.int32)
             pos = md.positions[:T_real]
             tok_rows = rows[md.token_seq_ids[:T_real]]
             nxt = np.minimum(pos + 1, self.max_model_len - 1)
             in_prompt = pos + 1 < batch.num_prompt_tokens[tok_rows]
             next_ids[:T_real] = np.where(in_prompt, batch.token_ids[tok_rows, nxt], -1)
+        return SamplingMetadata(
+            **{field: cols[name] for name, field in _COLUMN_FIELDS.items()},
+            gen_index=gen_index, rows=view.pad_rows, is_final=is_final, banned=banned,
+            next_ids=next_ids, any_min_tokens=np.bool_(any_min_tokens),
+            any_banned=np.bool_(any_banned), **view.flags)
+
+
+def _constant(cache: dict, shape: tuple, fill: int) -> np.ndarray:
+    """A read-only int32 array of `shape` filled with `fill`, made once."""
+    x = cache.get(shape)
+    if x is None:
+        x = cache[shape] = np.full(shape, fill, np.int32)
+        x.flags.writeable = False
+    return x
+
+
+class _RowsView:
+    """A step's rows' sampling columns (padded rows: the empty row's values), their prompt
+    lengths, serials and what they ask for, gathered once for a set of rows (read-only)."""
+
+    def __init__(self, batch: InputBatch, rows: np.ndarray, S: int, spare: int, key):
+        self.key = key
+        S_real = len(rows)
+        pad_rows = np.full(S, spare, np.int32)
+        pad_rows[:S_real] = rows
+        cols = batch.gather_cols(pad_rows)
+        self.pad_rows, self.cols = pad_rows, cols
+        self.num_prompt_tokens = batch.num_prompt_tokens[rows]
+        self.serials = batch.serial[rows]
+        self.num_logprobs = cols["num_logprobs"][:S_real]
+        self.num_prompt_logprobs = cols["num_prompt_logprobs"][:S_real]
+        for x in (pad_rows, self.num_prompt_tokens, self.serials, *cols.values()):
+            x.flags.writeable = False
         random = cols["temperature"] >= GREEDY_EPS
         filtered = (cols["top_k"] > 0) | (cols["top_p"] < 1) | (cols["min_p"] > 0)
         penalised = ((cols["repetition_penalty"] != 1) | (cols["frequency_penalty"] != 0)
                      | (cols["presence_penalty"] != 0))
-        return SamplingMetadata(
-            **{field: cols[name] for name, field in _COLUMN_FIELDS.items()},
-            gen_index=gen_index, rows=pad_rows, is_final=is_final, banned=banned,
-            next_ids=next_ids,
-            any_random=np.bool_(random.any()),
-            any_filter=np.bool_((random & filtered).any()),
-            any_penalty=np.bool_(penalised.any()),
-            any_bias=np.bool_(cols["has_bias"].any()),
-            any_min_tokens=np.bool_((cols["min_tokens"] > first_index).any()),
-            any_banned=np.bool_(any_banned),
-            any_logprobs=np.bool_((cols["num_logprobs"] >= 0).any()),
-            any_prompt_logprobs=np.bool_(any_plp))
+        self.any_min_tokens = bool((cols["min_tokens"] > 0).any())
+        self.any_prompt_logprobs = bool((self.num_prompt_logprobs >= 0).any())
+        self.flags = dict(any_random=np.bool_(random.any()),
+                          any_filter=np.bool_((random & filtered).any()),
+                          any_penalty=np.bool_(penalised.any()),
+                          any_bias=np.bool_(cols["has_bias"].any()),
+                          any_logprobs=np.bool_((cols["num_logprobs"] >= 0).any()),
+                          any_prompt_logprobs=np.bool_(self.any_prompt_logprobs))

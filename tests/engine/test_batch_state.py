@@ -201,7 +201,6 @@ def test_the_check_sees_preemptions_swaps_and_device_rows(engines):
     assert not seen["failures"], seen["failures"][0]
     assert seen["preemptions"] > before[0] and seen["swaps"] > before[1]
     assert seen["device_rows"] > 0 and seen["device_tables"] > 0
-    assert seen.get("chunks", 0) > 0  # some step could not hold its entries
 
     # a drifted row fails the check
     engine.add_request("drift", {"prompt_token_ids": tokens[0][:20].tolist()},
@@ -222,3 +221,35 @@ def test_the_check_sees_preemptions_swaps_and_device_rows(engines):
     engine.abort_request("drift")
     while engine.has_unfinished_requests():
         engine.step()
+
+
+def test_entries_a_step_cannot_hold_go_ahead_of_it(engines):
+    """A request arriving with a long cached prefix brings more block-table entries than
+    its small step holds (block_table.write_capacity): the rest are written ahead of the
+    step, the device's table matches the host's, and the request continues as the one that
+    computed the prefix did (greedy, the same prompt)."""
+    engine = engines["sync-swap"]
+    prompt, other = np.random.default_rng(7).integers(10, 40000, size=(2, 200)).tolist()
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    seen = {"steps": 0, "device_rows": 0, "failures": []}
+    outputs = {}
+
+    def run_all():
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    outputs[out.request_id] = out.outputs[0].token_ids
+    # the first row goes to another prompt, so that the row the cached request takes holds
+    # other blocks from before (the entries written ahead must replace them)
+    engine.add_request("other", {"prompt_token_ids": other}, params)
+    engine.add_request("computes", {"prompt_token_ids": prompt}, params)
+    run_all()
+    engine.runner._update_states = watched(engine, True, seen)
+    try:
+        engine.add_request("cached", {"prompt_token_ids": prompt}, params)
+        run_all()
+    finally:
+        del engine.runner._update_states, engine.runner._write_chunk
+    assert not seen["failures"], seen["failures"][0]
+    assert seen.get("chunks", 0) > 0 and seen["device_tables"] > 0
+    assert outputs["cached"] == outputs["computes"]
