@@ -112,6 +112,47 @@ def _mosaic_reports() -> list[dict]:
     return out
 
 
+_LAUNCHING = ("kCustomKernel", "kKernel", "kCustomCall", "kGemm", "kCublasLtMatmul", "kCopy",
+              "kMemset32BitValue", "kMemzero", "kSort", "kTriangularSolve", "kFft")
+
+
+def _launch_report(program: str) -> dict | None:
+    """How a compiled program's step reaches the GPU, from XLA's final thunk sequence: the
+    command buffers (CUDA graphs, one launch each) and what they hold, and what runs outside
+    them: kernels, custom calls (the Pallas kernels), copies, each a launch of its own, and
+    conditionals, each of which reads its predicate back to the host before going on (a wait
+    for the device). Counted once per thunk; a loop's body is counted once."""
+    paths = glob.glob(os.path.join(DUMP, f"*{program}*thunk_sequence_after_thunk_passes.txt"))
+    if not paths:
+        return None
+    top, in_graphs, outside, total, branches = {}, 0, 0, 0, 0
+    stack: list[tuple[int, str]] = []  # (indentation, kind) of the enclosing thunks
+    for line in open(paths[0]):
+        m = re.match(r"(\s*)\d+: (k\w+)", line)
+        if not m:
+            continue
+        depth, kind = len(m.group(1)), m.group(2)
+        while stack and stack[-1][0] >= depth:
+            stack.pop()
+        if not stack:
+            top[kind] = top.get(kind, 0) + 1
+        captured = any(k == "kCommandBuffer" for _, k in stack)
+        if kind in _LAUNCHING:
+            total += 1
+            if captured:
+                in_graphs += 1
+            else:
+                outside += 1
+        elif kind == "kConditional" and not captured:
+            branches += 1  # (nested in another's branch too: a wait when that branch runs)
+        stack.append((depth, kind))
+    return dict(top_level=dict(sorted(top.items())), launches=total,
+                launches_in_command_buffers=in_graphs, launches_outside_command_buffers=outside,
+                command_buffers=top.get("kCommandBuffer", 0),
+                top_level_conditionals=top.get("kConditional", 0),
+                conditionals_outside_command_buffers=branches)
+
+
 _BYTES = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4, "pred": 1, "s8": 1, "u8": 1}
 
 
@@ -120,7 +161,7 @@ def _hlo_report() -> dict:
     recomputation, matmuls included) and dynamic slices copied out to buffers of 16 MiB or
     more (weights sliced out of their layer stack are what this looks for)."""
     remat, copies = 0, 0
-    for path in glob.glob(os.path.join(DUMP, "*jit_step*after_optimizations.txt")):
+    for path in glob.glob(os.path.join(DUMP, "*jit_forward*after_optimizations.txt")):
         for line in open(path):
             if re.match(r"\s*(ROOT )?%\S+\.remat\d* = ", line):
                 remat += 1
@@ -140,7 +181,7 @@ def _dequantized_copies() -> list[dict]:
     """Fusions that read quantized codes and write a float tensor about as large as the codes
     (a dequantized weight in HBM) rather than feeding them to a matmul in the same fusion."""
     found = []
-    for path in glob.glob(os.path.join(DUMP, "*jit_step*after_optimizations.txt")):
+    for path in glob.glob(os.path.join(DUMP, "*jit_forward*after_optimizations.txt")):
         text = open(path).read()
         for comp in re.split(r"\n(?=\S)", text):
             params = re.findall(r"= (u8|s8|f8e4m3fn)\[([\d,]+)\]\{[^}]*\} parameter\(", comp)
@@ -247,6 +288,9 @@ def compile_steps(mesh, device_memory: int, args) -> dict:
                        .q_tile_size(T, args.attention_backend, arch.num_heads // arch.num_kv_heads))
     steps = [tuple(int(v) for v in s.split("x")) for s in args.steps.split(",")]
     max_seqs = max(S for _, S in steps)
+    from jaxllm.runner.buckets import step_shapes
+    # (a square shape is decode-only in the GPU shape set: no prefill tiles)
+    step_set = step_shapes("gpu", max(T for T, _ in steps), max_seqs)
     sampler = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep),
                            jax.eval_shape(lambda: init_state(max_seqs, arch.vocab_size)))
     tables = jax.ShapeDtypeStruct((max_seqs + 1, width), jnp.int32, sharding=rep)
@@ -263,7 +307,8 @@ def compile_steps(mesh, device_memory: int, args) -> dict:
         shapes, kv_sh = cache(num_blocks)
         kv = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, kv_sh)
         ins = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep),
-                           abstract_step_inputs(T, S, bs, qt_of(T)))
+                           abstract_step_inputs(T, S, bs, qt_of(T),
+                                                num_tile_slots=step_set.tiles(T, S, qt_of(T))))
         t0 = time.perf_counter()
         exe = forward.lower(state, kv, tables, sampler, *packed_step(ins)).compile(
             step_compiler_options("gpu"))
@@ -279,8 +324,11 @@ def compile_steps(mesh, device_memory: int, args) -> dict:
     # as the engine sizes the cache: a 2-block probe of the largest step measures its scratch
     # (its forward pass and its sampling are two compiled calls)
     T_max, S_max = max(steps)
+    _fresh_dump()
     probe, _ = compile_one(T_max, S_max, 2)
     scratch = step_scratch_bytes(probe, compile_sample(S_max), S_max, arch.vocab_size)
+    # (sampling compiles once per sequence count: a later step of S_max sequences reuses it)
+    sample_launches = {S_max: _launch_report("jit_sample_step")}
     per_block = kv_bytes_per_block(arch, bs, dtype, args.kv_cache_dtype)
     # the engine gives JAX's allocator gpu_memory_utilization of the device, then sizes the cache
     util = args.gpu_memory_utilization
@@ -290,6 +338,7 @@ def compile_steps(mesh, device_memory: int, args) -> dict:
     for T, S in steps:
         _fresh_dump()
         exe, secs = compile_one(T, S, num_blocks)
+        compile_sample(S)  # (into the same dump: its launches)
         ma = exe.memory_analysis()
         kernels = _kernel_reports(args.arch) + _mosaic_reports()
         # the Mosaic kernels compiled for this step: one per call site (layers unrolled) or
@@ -298,6 +347,9 @@ def compile_steps(mesh, device_memory: int, args) -> dict:
         rows.append(dict(tokens=T, seqs=S, compile_s=round(secs, 1), **_hlo_report(),
                          mosaic_kernel_compiles=mosaic_compiles,
                          dequantized_weight_copies=_dequantized_copies(),
+                         launches=dict(forward=_launch_report("jit_forward"),
+                                       sample=(_launch_report("jit_sample_step")
+                                               or sample_launches.get(S))),
                          temp_gib=round(ma.temp_size_in_bytes / 2**30, 3),
                          argument_gib=round(ma.argument_size_in_bytes / 2**30, 3),
                          output_gib=round(ma.output_size_in_bytes / 2**30, 3),

@@ -380,7 +380,13 @@ def ragged_paged_attention(q, kv_cache, layer, md, scale, sliding_window=None, s
     out = jnp.full((T, KVH, G, D), jnp.nan if poison else 0.0, jnp.float32)
     out = out.at[dst].set(dec, mode="drop")
 
-    # prefill tiles, skipped at run time when the step has none
+    # prefill tiles: none in a decode-only step shape (no room for them in its metadata);
+    # on a GPU every tile's program runs (one without tokens reads no keys) rather than a
+    # branch on whether the step has any, because XLA's GPU runtime reads a branch's
+    # predicate back to the host: a wait for the device in every layer. The interpreter
+    # (CPU tests) skips them at run time.
+    if md.tile_seq.shape[0] == 0:
+        return out.reshape(T, H, D).astype(q.dtype)
     qt = q_tile(G)
     gp = next_pow2(G)
 
@@ -404,5 +410,8 @@ def ragged_paged_attention(q, kv_cache, layer, md, scale, sliding_window=None, s
         vals = tiles[:, :, :, :G].transpose(0, 2, 1, 3, 4).reshape(W * qt, KVH, G, D)
         return out.at[tok].set(vals, mode="drop")
 
-    out = jax.lax.cond(md.num_tiles > 0, prefill, lambda o: o, out)
+    if interpret:
+        out = jax.lax.cond(md.num_tiles > 0, prefill, lambda o: o, out)
+    else:
+        out = prefill(out)
     return out.reshape(T, H, D).astype(q.dtype)

@@ -7,9 +7,11 @@ from jaxllm.layers.attention_metadata import table_width
 
 
 def make_case(seqs, *, heads=8, kv_heads=2, head_dim=64, block_size=16, layers=2, layer=1,
-              T=None, S=None, max_model_len=1024, dtype=jnp.float32, seed=0, qt=None):
+              T=None, S=None, max_model_len=1024, dtype=jnp.float32, seed=0, qt=None,
+              tile_slots=None):
     """seqs: [(tokens already cached, tokens this step)]. Block tables are shuffled, the cache
-    holds random K/V everywhere (the step's too, as if just written)."""
+    holds random K/V everywhere (the step's too, as if just written). tile_slots: the
+    shape's room for prefill tiles (0: a decode-only shape)."""
     rng = np.random.default_rng(seed)
     starts = np.array([c for c, _ in seqs], np.int32)
     n = np.array([q for _, q in seqs], np.int32)
@@ -24,7 +26,7 @@ def make_case(seqs, *, heads=8, kv_heads=2, head_dim=64, block_size=16, layers=2
     for i, m in enumerate(need):
         tables[i, :m] = ids[k:k + m]
         k += m
-    md = attention_metadata(starts, n, tables, T, S, block_size, qt)
+    md = attention_metadata(starts, n, tables, T, S, block_size, qt, num_tile_slots=tile_slots)
     cache = rng.standard_normal((layers, 2, kv_heads, num_blocks * block_size, head_dim))
     q = rng.standard_normal((T, heads, head_dim))
     return jnp.asarray(q, dtype), jnp.asarray(cache, dtype), layer, md
@@ -55,7 +57,7 @@ KERNEL_CASES = {
 
 def check_kernels(seqs, heads, kv_heads, *, kernels, interpret, tol, head_dim=64,
                   dtype=jnp.float32, T=None, S=None, window=None, soft_cap=None, block_size=16,
-                  seed=0, max_model_len=2048, kv_dtype=None):
+                  seed=0, max_model_len=2048, kv_dtype=None, tile_slots=None):
     """One ragged batch through ragged_paged_attention's `kernels` family against the dense
     reference; tokens no kernel writes come out NaN and fail. kv_dtype ("int8", "fp8"): the
     cache quantized as the engine writes it, queries in `dtype`, the reference reading the
@@ -67,7 +69,8 @@ def check_kernels(seqs, heads, kv_heads, *, kernels, interpret, tol, head_dim=64
     from pallas_kernels.ragged_paged_attention import q_tile, ragged_paged_attention
     q, cache, layer, md = make_case(seqs, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                                     block_size=block_size, T=T, S=S, max_model_len=max_model_len,
-                                    dtype=dtype, seed=seed, qt=q_tile(heads // kv_heads))
+                                    dtype=dtype, seed=seed, qt=q_tile(heads // kv_heads),
+                                    tile_slots=tile_slots)
     if kv_dtype is not None:
         cache = quantize_cache(cache.astype(jnp.float32), kv_dtype)
     md = jax.tree.map(jnp.asarray, md)

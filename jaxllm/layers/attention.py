@@ -224,7 +224,8 @@ def paged_attention_xla(q: jax.Array, kv_cache: jax.Array, layer: jax.Array,
 
     q: [T, H, D]. Two passes share the work: every sequence's last token (all of a decode
     batch) is done for all sequences at once; the other tokens of prefill chunks go tile by
-    tile, and that pass is skipped at run time when the step has no prefill. use_kernel: both
+    tile, and that pass is skipped at run time when the step has no prefill (and left out
+    of a decode-only step shape, whose metadata has no room for tiles). use_kernel: both
     passes in the CPU kernels (None: where cpu_kernels_apply).
     """
     T, H, D = q.shape
@@ -252,7 +253,8 @@ def paged_attention_xla(q: jax.Array, kv_cache: jax.Array, layer: jax.Array,
     else:
         def prefill(o):
             return _prefill_pass(qg, o, kv_cache, layer, md, sliding_window, soft_cap)
-    out = jax.lax.cond(md.num_tiles > 0, prefill, lambda o: o, out)
+    if md.tile_seq.shape[0]:  # (a decode-only step shape has no room for tiles)
+        out = jax.lax.cond(md.num_tiles > 0, prefill, lambda o: o, out)
     return out.reshape(T, H, D).astype(q.dtype)
 
 

@@ -24,13 +24,16 @@ def table_width(max_model_len: int, block_size: int) -> int:
 
 def attention_metadata(starts: np.ndarray, n: np.ndarray, tables: np.ndarray, T: int, S: int,
                        block_size: int, qt: int | None = None,
-                       rows: np.ndarray | None = None, on_device=None) -> AttentionMetadata:
+                       rows: np.ndarray | None = None, on_device=None,
+                       num_tile_slots: int | None = None) -> AttentionMetadata:
     """The flat ragged layout of one step, padded to T tokens and S sequences.
 
     starts[i]: tokens of sequence i already in the cache; n[i]: its tokens this step;
     tables[i]: its block-table row. Padded tokens write to the null block. With `rows`,
     sequence i's row is tables[rows[i]] and the metadata's block_tables is `on_device`:
     what the runner's step gathers them from on the device (jaxllm.runner.block_table).
+    num_tile_slots: the shape's room for prefill tiles (StepShapes.tiles; default
+    max_tiles).
     """
     S_real, T_real = len(n), int(n.sum())
     bs = block_size
@@ -39,7 +42,8 @@ def attention_metadata(starts: np.ndarray, n: np.ndarray, tables: np.ndarray, T:
     if not given:
         rows = np.arange(S_real)
     if (n == 1).all():  # one token per sequence (decode steps): no repeats, no tiles
-        return _one_token_each(starts, tables, rows, given, on_device, T, S, bs, qt)
+        return _one_token_each(starts, tables, rows, given, on_device, T, S, bs, qt,
+                               num_tile_slots)
     qsl = np.zeros(S + 1, np.int32)
     np.cumsum(n, out=qsl[1:S_real + 1])
     qsl[S_real + 1:] = T_real
@@ -54,10 +58,12 @@ def attention_metadata(starts: np.ndarray, n: np.ndarray, tables: np.ndarray, T:
     seq_lens[:S_real] = starts + n
 
     # prefill tiles: each sequence with more than one token, cut into query tiles
-    W = max_tiles(T, S, qt)
+    W = max_tiles(T, S, qt) if num_tile_slots is None else num_tile_slots
     multi = np.nonzero(n > 1)[0]
     per_seq = -(-n[multi] // qt)
     num_tiles = int(per_seq.sum())
+    if num_tiles > W:  # (a decode-only shape has no room: the step picked the wrong shape)
+        raise ValueError(f"{num_tiles} prefill tiles exceed the step shape's room for {W}")
     tile_seq = np.zeros(W, np.int32)
     tile_start = np.zeros(W, np.int32)
     tile_seq[:num_tiles] = np.repeat(multi, per_seq)
@@ -77,7 +83,8 @@ def _step_tables(tables: np.ndarray, rows: np.ndarray, S: int, given: bool, on_d
 
 
 def _one_token_each(starts: np.ndarray, tables: np.ndarray, rows: np.ndarray, given: bool,
-                    on_device, T: int, S: int, bs: int, qt: int) -> AttentionMetadata:
+                    on_device, T: int, S: int, bs: int, qt: int,
+                    num_tile_slots: int | None) -> AttentionMetadata:
     """attention_metadata of a step whose sequences have one token each."""
     S_real = len(starts)
     idx = np.arange(S_real, dtype=np.int32)
@@ -91,7 +98,7 @@ def _one_token_each(starts: np.ndarray, tables: np.ndarray, rows: np.ndarray, gi
     slots[:S_real] = tables[rows, starts // bs] * bs + starts % bs
     seq_lens = np.zeros(S, np.int32)
     seq_lens[:S_real] = starts + 1
-    W = max_tiles(T, S, qt)
+    W = max_tiles(T, S, qt) if num_tile_slots is None else num_tile_slots
     return AttentionMetadata(positions, slots, seq_ids, qsl, seq_lens,
                              _step_tables(tables, rows, S, given, on_device),
                              np.zeros(W, np.int32), np.zeros(W, np.int32), np.int32(0),

@@ -99,8 +99,9 @@ class StepCompiler:
     # shapes
     def abstract_inputs(self, T: int, S: int):
         """A (T, S) step's inputs after the device state (abstract_step_inputs)."""
-        return abstract_step_inputs(T, S, self.block_size, self.q_tile(T), self.num_spec,
-                                    self.mm_width)
+        qt = self.q_tile(T)
+        return abstract_step_inputs(T, S, self.block_size, qt, self.num_spec, self.mm_width,
+                                    self.shapes.tiles(T, S, qt))
 
     def abstract_block_tables(self, S: int):
         """The block tables a step of S sequences gathers on the device ([S, width])."""

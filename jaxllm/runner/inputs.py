@@ -86,8 +86,10 @@ class InputPreparer:
         writes, chunks = split_writes(*batch.take_writes(),
                                       write_capacity(T, S, self.block_size), self.max_num_seqs,
                                       num_blocks)
-        md = attention_metadata(starts, n, batch.block_table, T, S, self.block_size,
-                                self.q_tile(T), rows=rows, on_device=writes)
+        qt = self.q_tile(T)
+        md = attention_metadata(starts, n, batch.block_table, T, S, self.block_size, qt,
+                                rows=rows, on_device=writes,
+                                num_tile_slots=self.shapes.tiles(T, S, qt))
         tok_rows = rows[md.token_seq_ids[:T_real]]
         pos = md.positions[:T_real]
         input_ids = np.zeros(T, np.int32)

@@ -236,14 +236,14 @@ def step_compiler_options(platform: str) -> dict | None:
 
 
 def abstract_step_inputs(T: int, S: int, block_size: int, qt: int, num_spec: int = 0,
-                         mm_width: int = 0):
+                         mm_width: int = 0, num_tile_slots: int | None = None):
     """Shapes of a (T tokens, S sequences) step's inputs after the state, cache, block table
     and sampler state: input ids, attention metadata (its block_tables: the step's
     TableWrites), logits indices, sampling metadata (and with speculative decoding the
-    verified positions)."""
+    verified positions). num_tile_slots: room for prefill tiles (StepShapes.tiles)."""
     i32, f32, b = jnp.int32, jnp.float32, jnp.bool_
     sds = jax.ShapeDtypeStruct
-    W = max_tiles(T, S, qt)
+    W = max_tiles(T, S, qt) if num_tile_slots is None else num_tile_slots
     md = AttentionMetadata(sds((T,), i32), sds((T,), i32), sds((T,), i32), sds((S + 1,), i32),
                            sds((S,), i32), abstract_writes(T, S, block_size),
                            sds((W,), i32), sds((W,), i32), sds((), i32),

@@ -30,7 +30,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from jaxllm.core.block_pool import NULL_BLOCK
-from jaxllm.layers.attention import AttentionMetadata, max_tiles
+from jaxllm.layers.attention import AttentionMetadata
 from jaxllm import executable_cache
 from jaxllm.runner.block_ops import BlockOps
 from jaxllm.runner.compiler import abstract
@@ -129,7 +129,7 @@ class DraftModel:
         S = block_tables.shape[0]
         bs = self.block_size
         qt = self.q_tile(S)
-        zeros_w = jnp.zeros(max_tiles(S, S, qt), jnp.int32)
+        zeros_w = jnp.zeros(0, jnp.int32)  # one token per sequence: no prefill tiles
         fixed = dict(token_seq_ids=jnp.arange(S, dtype=jnp.int32),
                      query_start_loc=jnp.arange(S + 1, dtype=jnp.int32), block_tables=block_tables,
                      tile_seq=zeros_w, tile_start=zeros_w, num_tiles=jnp.int32(0))

@@ -238,9 +238,11 @@ def test_the_gpu_shape_set_holds_every_step_the_scheduler_can_make():
     """The shapes a GPU engine derives from its limits (no decode shapes of their own: a GPU
     pads for free) hold every step the scheduler can make, with and without speculation:
     any token count up to max_num_batched_tokens in any number of sequences up to
-    max_num_seqs and the tokens. And they are few, each one a compilation at start."""
+    max_num_seqs and the tokens. And they are few, each one a compilation at start. Square
+    shapes are decode-only there (no room for prefill tiles): a decode step takes one (every
+    batch size has one), any other step never does."""
     from jaxllm.runner.buckets import step_shapes
-    for budget, seqs_max in ((8192, 256), (1024, 128)):
+    for budget, seqs_max in ((8192, 256), (1024, 128), (2048, 200)):
         for spec in (0, 4):
             shapes = step_shapes("gpu", budget, seqs_max, spec)
             assert shapes.seqs_for.keys() == set(shapes.token_buckets)
@@ -250,9 +252,12 @@ def test_the_gpu_shape_set_holds_every_step_the_scheduler_can_make():
                 for seqs in range(1, min(tokens, seqs_max) + 1):
                     t, s = shapes.pick(tokens, seqs)
                     assert t >= tokens and s >= seqs and (t, s) in compiled, (tokens, seqs)
+                    assert (t == s) == (tokens == seqs), (tokens, seqs)
+            assert shapes.tiles(64, 64, 32) == 0 and shapes.tiles(64, 32, 32) == 2 + 32
     # a CPU engine's set of the same limits adds square decode shapes below 16 tokens
     cpu = step_shapes("cpu", 1024, 128)
     assert set(cpu.all) - set(step_shapes("gpu", 1024, 128).all) == {(1, 1), (2, 2), (4, 4), (8, 8)}
+    assert cpu.tiles(64, 64, 32) == 2 + 64  # (a CPU branches on tiles at run time, cheaply)
 
 
 def test_given_buckets_are_the_shapes():

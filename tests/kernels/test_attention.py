@@ -43,6 +43,17 @@ def test_xla_matches_reference(name, kv_heads):
     _check(q, cache, layer, md)
 
 
+def test_a_decode_only_shape_has_no_prefill_pass():
+    """A decode step in a shape without room for prefill tiles (a GPU's square shapes) is
+    the same attention, padded rows included; a prefill chunk cannot be laid out there."""
+    seqs = CASES["decode_batch"]
+    q, cache, layer, md = make_case(seqs, T=8, S=8, tile_slots=0)
+    assert md.tile_seq.shape == (0,)
+    _check(q, cache, layer, md)
+    with pytest.raises(ValueError):
+        make_case([(0, 2), (5, 1)], T=8, S=8, tile_slots=0)
+
+
 def test_padded_rows_and_tokens():
     seqs = [(10, 3), (0, 1), (40, 1)]
     q, cache, layer, md = make_case(seqs, T=32, S=8)

@@ -32,6 +32,12 @@ def test_kernels_match_reference(name, heads):  # heads: (query, KV) heads, GQA 
     check(CASES[name], heads, kv_heads, seed=len(name) + heads)
 
 
+def test_a_decode_only_shape():
+    """A decode batch in a shape without room for prefill tiles (a GPU's square shapes),
+    padded rows included: the decode kernel alone."""
+    check([(5, 1), (16, 1), (31, 1), (200, 1)], 8, 2, T=8, S=8, tile_slots=0)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_head_dim_128_and_dtypes(dtype):
     check(CASES["prefill_and_decodes"], 8, 2, head_dim=128, dtype=dtype)
