@@ -120,3 +120,19 @@ def test_background_compilation_waits_while_requests_run(tiny_llama, held_backgr
         engine.step()
     assert compiler.wait_compiled(timeout=600)  # idle: it goes on
     assert len(compiler.forward_executables) > len(before)
+
+
+def test_while_compiling_a_gpu_step_never_takes_a_decode_only_shape():
+    """On a GPU a square shape is decode-only: while the shapes compile, a step whose own
+    shape is not ready takes the smallest ready one that holds it, and a step with a
+    prefill never a square one."""
+    from jaxllm.runner.buckets import step_shapes
+    from jaxllm.runner.compiler import StepCompiler
+    compiler = StepCompiler(None, step_shapes("gpu", 512, 256), 100, 16, 64, lambda T: 16, 256)
+    compiler._background = object()  # (compiling in the background)
+    for shape in ((64, 64), (512, 256)):
+        compiler.forward_executables[shape] = compiler.sample_executables[shape[1]] = object()
+    assert compiler.pick_shape(40, 20) == (512, 256)  # (64, 32) not ready, (64, 64) decode-only
+    assert compiler.pick_shape(20, 20) == (64, 64)
+    compiler.forward_executables[64, 32] = compiler.sample_executables[32] = object()
+    assert compiler.pick_shape(40, 20) == (64, 32)
