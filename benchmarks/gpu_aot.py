@@ -388,6 +388,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-expert-parallel", action="store_true",
                    help="a mixture-of-experts model's experts split whole over those GPUs")
     p.add_argument("--skip-kernels", action="store_true")
+    p.add_argument("--on-device", action="store_true",
+                   help="compile for the GPUs of this machine instead of --target, with its "
+                        "driver (what XLA captures in command buffers may depend on it); "
+                        "nothing runs")
     p.add_argument("--results-dir", default=os.environ.get("OUT") or "benchmarks/results")
     p.add_argument("--tag", default=None)
 
@@ -403,28 +407,41 @@ def run(args) -> None:
     from jax.experimental import topologies
     from jaxllm.parallel import make_mesh, sharding
 
-    with open(args.target) as f:
-        target = f.read()
-    try:
-        topo = topologies.get_topology_desc(platform="cuda", target_config=target,
-                                            topology=f"1x1x{args.tensor_parallel_size}")
-    except Exception as e:
-        raise SystemExit(f"no CUDA compiler here ({e}); install JAX's CUDA plugin: "
-                         'pip install "jax[cuda13]"') from e
+    if args.on_device:  # the GPUs here: their driver decides what command buffers capture
+        devices = jax.devices()
+        if devices[0].platform != "gpu":
+            raise SystemExit(f"--on-device compiles for the GPUs here; this machine's JAX "
+                             f"sees {devices[0].platform} devices")
+        devices = devices[:args.tensor_parallel_size]
+        compute_capability = getattr(devices[0], "compute_capability", None)
+        memory = int((devices[0].memory_stats() or {}).get("bytes_limit", 0))
+        target = None
+    else:
+        with open(args.target) as f:
+            target = f.read()
+        try:
+            devices = topologies.get_topology_desc(
+                platform="cuda", target_config=target,
+                topology=f"1x1x{args.tensor_parallel_size}").devices
+        except Exception as e:
+            raise SystemExit(f"no CUDA compiler here ({e}); install JAX's CUDA plugin: "
+                             'pip install "jax[cuda13]"') from e
+        cc = re.search(r"cuda_compute_capability\s*{\s*major:\s*(\d+)(?:\s*minor:\s*(\d+))?",
+                       target)
+        compute_capability = f"{cc.group(1)}.{cc.group(2) or 0}" if cc else None
+        memory = int(re.search(r"device_memory_size:\s*(\d+)", target).group(1))
     if args.attention_backend == "pallas":  # as the engine would choose on this GPU
         from jaxllm.kernels import attention_backend
         from jaxllm.quantization import kv as kvq
-        cc = re.search(r"cuda_compute_capability\s*{\s*major:\s*(\d+)(?:\s*minor:\s*(\d+))?",
-                       target)
         args.attention_backend = attention_backend(
             "pallas", "gpu", jnp.dtype(args.dtype), kvq.storage_dtype(args.kv_cache_dtype),
-            compute_capability=f"{cc.group(1)}.{cc.group(2) or 0}" if cc else None)[0]
-    mesh = make_mesh(args.tensor_parallel_size, devices=topo.devices)
-    device = topo.devices[0].device_kind
-    memory = int(re.search(r"device_memory_size:\s*(\d+)", target).group(1))
+            compute_capability=compute_capability)[0]
+    mesh = make_mesh(args.tensor_parallel_size, devices=devices)
+    device = devices[0].device_kind
     print(f"deviceless target: {device} ({memory / 2**30:.1f} GiB), jax {jax.__version__}",
           flush=True)
-    result = dict(device=device, deviceless=True, jax=jax.__version__, target=args.target,
+    result = dict(device=device, deviceless=not args.on_device, jax=jax.__version__,
+                  target=None if args.on_device else args.target,
                   tensor_parallel_size=args.tensor_parallel_size)
     if not args.skip_kernels:
         result["kernels"] = compile_kernels(sharding(mesh), args.arch)
@@ -438,6 +455,7 @@ def run(args) -> None:
     args.tag = args.tag or "_".join(x for x in ["aot", model, datetime.date.today().isoformat(),
                                                 device.replace(" ", "-"), tp, args.quantization,
                                                 None if args.kv_cache_dtype == "auto" else f"kv-{args.kv_cache_dtype}",
-                                                "deviceless"] if x)
+                                                None if args.on_device else "deviceless"]
+                                               if x)
     write_result(args, result, "aot")
     shutil.rmtree(DUMP, ignore_errors=True)

@@ -7,7 +7,8 @@
 # (tests/benchmarks/test_gpu_suite.py runs the latency, host, throughput and serve stages so in CI).
 # Stages can be named to run a part (the device tool stops a command after 10 minutes, and the
 # compilation cache under .cache/ carries over between calls on a warm machine):
-#   benchmarks/gpu_suite.sh [tests] [kernels] [latency] [host] [throughput] [serve] [startup]   (default: all)
+#   benchmarks/gpu_suite.sh [tests] [launches] [kernels] [latency] [host] [throughput] [serve] [startup]
+#   (default: all)
 # STEP_TIMEOUT=SECONDS stops any one step after that long, so that a call with little device
 # time left still reaches the later steps (what a stopped step measured is in the log).
 set -uo pipefail
@@ -32,7 +33,7 @@ TAG="${STAMP}_${DEVICE}"
 export JAXLLM_COMPILATION_CACHE_DIR="${JAXLLM_COMPILATION_CACHE_DIR:-$PWD/.cache/xla}"
 LOG="$RESULTS/gpu_suite_${TAG}.log"
 status=0
-STAGES="${*:-tests kernels latency host throughput serve startup}"
+STAGES="${*:-tests launches kernels latency host throughput serve startup}"
 want() { [[ " $STAGES " == *" $1 "* ]]; }
 
 if [ "${SUITE_SCALE:-full}" = small ]; then
@@ -86,6 +87,12 @@ if want tests; then
     step "gpu tests" env JAXLLM_GPU_TESTS=1 python3 -m pytest -q tests/kernels/test_kernels.py \
       tests/kernels/test_mosaic_kernels.py
   fi
+fi
+# how each step program reaches this GPU (command buffers, and the launches and branches left
+# outside them) as this machine's driver has XLA build it; nothing runs
+if want launches && [ "${SUITE_SCALE:-full}" != small ]; then
+  step "launches" python3 -m jaxllm.cli bench aot --on-device --skip-kernels --model "$MODEL" \
+    --steps 256x256,1x1 --results-dir "$RESULTS" --tag "launches_${TAG}"
 fi
 want kernels && step "kernel benchmark" python3 -m jaxllm.cli bench kernels --grid "$KGRID" \
   --sweep --results-dir "$RESULTS" --tag "kernels_${TAG}"

@@ -1,7 +1,12 @@
 """`bench aot`'s readings of XLA's dumps (no CUDA compiler needed: the dumps are written
 here in XLA's formats): how a step's launches reach the GPU, and the optimized step's
 recomputations and weight-sized copies."""
+import subprocess
+import sys
 import textwrap
+
+import jax
+import pytest
 
 from benchmarks import gpu_aot
 
@@ -66,3 +71,14 @@ def test_hlo_report_reads_the_forward_programs_optimized_module(tmp_path, monkey
     (tmp_path / name.format("jit_forward")).write_text(hlo)
     assert gpu_aot._hlo_report() == dict(rematerialized_instructions=2,
                                          large_dynamic_slice_copies=1)
+
+
+def test_on_device_needs_a_gpu_here():
+    """`bench aot --on-device` compiles for this machine's GPUs (their driver decides what
+    command buffers capture); without one it says so."""
+    if jax.default_backend() == "gpu":
+        pytest.skip("a GPU is here")
+    res = subprocess.run([sys.executable, "-m", "jaxllm.cli", "bench", "aot", "--on-device",
+                          "--skip-kernels"], capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0
+    assert "--on-device compiles for the GPUs here" in res.stderr
