@@ -99,6 +99,11 @@ def split_writes(rows: np.ndarray, cols: np.ndarray, blocks: np.ndarray, capacit
     return step, chunks
 
 
+def without_entries(writes: TableWrites, spare_row: int) -> TableWrites:
+    """The same step with no entries to write (all padding), its block counts kept."""
+    return TableWrites(*_no_writes(len(writes.rows), spare_row), writes.num_blocks)
+
+
 @functools.lru_cache(maxsize=64)
 def _no_writes(capacity: int, spare_row: int) -> tuple[np.ndarray, ...]:
     """A step's entries when it has none: all padding (read-only, shared)."""

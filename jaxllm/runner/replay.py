@@ -3,9 +3,12 @@ with inputs already on the device and no host work between them. Benchmarks time
 device's own step this way; the engine never replays."""
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 
+from jaxllm.runner.block_table import without_entries
 from jaxllm.runner.step_programs import bitmask_words, packed_step
 
 
@@ -18,7 +21,13 @@ class StepReplay:
         compiler = runner.compiler
         self.runner = runner
         self.shape = shape
-        # the step's inputs as its programs take them (packed_step), on the device
+        # the step's inputs as its programs take them (packed_step), on the device; its
+        # block-table entries left out (all padding, as many): a row may have another holder
+        # by now, whose entries they must not overwrite
+        ids, md, *rest = inputs
+        md = dataclasses.replace(md, block_tables=without_entries(md.block_tables,
+                                                                  runner.max_num_seqs))
+        inputs = (ids, md, *rest)
         self.args = runner.device_put((*packed_step(inputs), *inputs[4:]))
         self.smd = self.args[1]
         self.passes = 1 if num is None else int(num.max())
@@ -37,7 +46,7 @@ class StepReplay:
     def step(self, kv_cache, sampler_state):
         """The step as the engine launches it, on the given cache and sampler state (both
         donated): (results, cache, sampler state). The runner's device block table goes
-        through it too (the step's entries written again change nothing)."""
+        through it too (the step reads its rows as they are now)."""
         runner = self.runner
         if self._num is not None:
             res, kv_cache, runner.tables, sampler_state = self._passes(
