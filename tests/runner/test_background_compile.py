@@ -136,3 +136,37 @@ def test_while_compiling_a_gpu_step_never_takes_a_decode_only_shape():
     assert compiler.pick_shape(20, 20) == (64, 64)
     compiler.forward_executables[64, 32] = compiler.sample_executables[32] = object()
     assert compiler.pick_shape(40, 20) == (64, 32)
+
+
+def test_a_gpu_shape_set_serves_the_same_tokens(tiny_llama, tiny_llm, monkeypatch):
+    """A GPU's shape set through a whole engine (on the CPU): decode steps run in square,
+    decode-only shapes (no prefill-tile attention compiled in), steps with a prefill in
+    shapes with T > S, and greedy tokens equal the CPU shape set's, with nothing compiled
+    after warm-up."""
+    from jaxllm.runner import buckets, model_runner
+
+    def gpu_shapes(platform, *args, **kw):
+        return buckets.step_shapes("gpu", *args, **kw)
+    monkeypatch.setattr(model_runner, "step_shapes", gpu_shapes)
+    llm = LLM(tiny_llama, dtype="float32", max_num_seqs=16, max_num_batched_tokens=64,
+              max_model_len=256, token_buckets=[16, 64], seq_buckets=[4, 8, 16])
+    runner = llm.llm_engine.runner
+    assert runner.shapes.square_decodes and runner.shapes.squares == [16]
+    used = []
+    prepare = runner.inputs.prepare
+
+    def recorded(out, pick):
+        res = prepare(out, pick)
+        used.append((res[1], out.total_num_scheduled_tokens == len(out.num_scheduled_tokens)))
+        return res
+    runner.inputs.prepare = recorded
+    prompts = [list(range(10 + i, 10 + i + 5 + 9 * i)) for i in range(6)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    want = tiny_llm.generate(prompts, params, use_tqdm=False)
+    assert [g.outputs[0].token_ids for g in got] == [w.outputs[0].token_ids for w in want]
+    assert any(decode for _, decode in used) and any(not decode for _, decode in used)
+    for (T, S), decode in used:
+        assert (T == S) == decode, (T, S)
+    assert runner.num_compiles_after_warmup == 0
+    llm.llm_engine.shutdown()
