@@ -5,7 +5,7 @@ lives on the device as well as on the host. A step does not send its sequences' 
 sends the entries appended since the last step (TableWrites: row, column, block) and each
 sequence's block count, and the step's program writes the entries and gathers its rows,
 masking every column past the count. So what crosses per step is O(blocks added), not
-O(sequences x table width), which at long context lengths is megabytes a step.
+O(sequences x table width), which grows with the model length.
 
 A row's stale columns (from the request that held it before) are never cleared: the mask
 hides them. The entries of a step go in the step itself up to a capacity fixed by its shape
@@ -57,7 +57,10 @@ def abstract_writes(T: int, S: int, block_size: int) -> TableWrites:
 
 
 def write(tables: jax.Array, rows, cols, blocks) -> jax.Array:
-    # padding entries all write the null block into the spare row, which stays null
+    # padding entries all write the null block into the spare row, which stays null; real
+    # entries never repeat a place within one step's window (a holder only appends, and a
+    # row freed in a step's output was written in an earlier window), so the scatter's
+    # order among duplicates does not matter
     return tables.at[rows, cols].set(blocks)
 
 

@@ -89,6 +89,11 @@ class StepShapes:
         decode-only shape (square_decodes)."""
         return 0 if self.square_decodes and T == S else max_tiles(T, S, q_tile)
 
+    def allowed(self, T: int, S: int, num_tokens: int, num_seqs: int) -> bool:
+        """Whether a (T, S) shape may take a step of num_tokens in num_seqs sequences as far
+        as prefill tiles go: a decode-only shape takes only one token per sequence."""
+        return not (self.square_decodes and T == S and num_tokens > num_seqs)
+
     def pick(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
         """The smallest compiled (T, S) holding num_tokens tokens in num_seqs sequences
         (with square_decodes: a decode step's smallest square shape, if one holds it, and
@@ -100,8 +105,9 @@ class StepShapes:
         t = pick(self.token_buckets, max(num_tokens, num_seqs))
         i = bisect.bisect_left(self.token_buckets, t)
         for t in self.token_buckets[i:]:
-            seqs = [s for s in self.seqs_for[t]
-                    if not (self.square_decodes and s == t and num_tokens > num_seqs)]
+            seqs = self.seqs_for[t]  # (ascending: a square shape is the last)
+            if not self.allowed(t, seqs[-1], num_tokens, num_seqs):
+                seqs = seqs[:-1]
             if seqs and seqs[-1] >= num_seqs:
                 return t, pick(seqs, num_seqs)
         raise ValueError(f"no step shape holds {num_tokens} tokens in {num_seqs} sequences")

@@ -132,10 +132,10 @@ class StepCompiler:
         if self._background is None or self.ready(shape):
             return shape
         buckets = self.shapes.token_buckets
-        no_squares = self.shapes.square_decodes and num_tokens > num_seqs  # (decode-only)
         for t in buckets[buckets.index(shape[0]):]:
             for s in self.shapes.seqs_for[t]:
-                if s >= num_seqs and self.ready((t, s)) and not (no_squares and s == t):
+                if (s >= num_seqs and self.ready((t, s))
+                        and self.shapes.allowed(t, s, num_tokens, num_seqs)):
                     return t, s
         return shape  # not reached: the largest shape compiles before serving
 

@@ -35,13 +35,14 @@ from jaxllm.runner.input_batch import InputBatch
 from jaxllm.runner.inputs import InputPreparer
 from jaxllm.runner.kv_cache import allocate_kv_cache
 from jaxllm.layers.attention_metadata import table_width
-from jaxllm.runner.outputs import (DispatchedStep, ForwardOutput, InFlight, Logprobs,
-                                   PassesOutput, RunnerOutput)
+from jaxllm.runner.outputs import (ForwardOutput, InFlight, Logprobs, PassesOutput,
+                                   RunnerOutput, prompt_logprobs)
 from jaxllm.runner.rejection_sampler import VerifyOutput, init_spec_state
 from jaxllm.runner.sampler import SamplerOutput, init_state
 from jaxllm.runner.step_programs import (ROW_INIT_GROUP, abstract_set_rows_inputs, bitmask_words,
                                          build_decode_passes, build_forward, build_sample,
-                                         build_set_rows, packed_step, step_compiler_options)
+                                         build_set_rows, packed_step, set_rows_inputs,
+                                         step_compiler_options)
 
 logger = logging.getLogger(__name__)
 
@@ -246,30 +247,11 @@ class ModelRunner:
     def _init_sampler_rows(self) -> None:
         """Rebuild the on-device sampler rows of requests entering the batch from their token
         lists (prefix hits, forks and swaps skip recomputing tokens, so counts come from here)."""
-        K, V, L = ROW_INIT_GROUP, self.vocab, self.max_model_len
+        K = ROW_INIT_GROUP
         pending, self._pending_rows = self._pending_rows, []
         for i in range(0, len(pending), K):
-            group = pending[i:i + K]
-            rows = np.full(K, self.max_num_seqs, np.int32)  # the spare row absorbs padding
-            tokens = np.zeros((K, L), np.int32)
-            n_prompt = np.zeros(K, np.int32)
-            n_tok = np.zeros(K, np.int32)
-            bias = np.zeros((K, V), np.float32)
-            stop = np.zeros((K, V), np.bool_)
-            for j, (row, new) in enumerate(group):
-                p = new.sampling_params
-                rows[j] = row
-                tokens[j, :len(new.token_ids)] = new.token_ids
-                n_prompt[j], n_tok[j] = new.num_prompt_tokens, len(new.token_ids)
-                if p.allowed_token_ids is not None:
-                    bias[j] = -np.inf
-                    bias[j, p.allowed_token_ids] = 0.0
-                for t, v in (p.logit_bias or {}).items():
-                    bias[j, t] += v
-                bias[j, new.banned_token_ids] = -np.inf
-                if p.min_tokens > 0:
-                    stop[j, list(new.stop_ids)] = True
-            self._set_sampler_rows((rows, tokens, n_prompt, n_tok, bias, stop))
+            self._set_sampler_rows(set_rows_inputs(pending[i:i + K], self.vocab,
+                                                   self.max_model_len, self.max_num_seqs))
 
     # device operations: with several processes, process 0 announces and shares each one so
     # that the others launch the same computation (follow())
@@ -495,22 +477,7 @@ class ModelRunner:
                                                      top_ids[i, j, :k].tolist(),
                                                      top_lp[i, j, :k].tolist()) for j in range(m)]
         if flight.want_prompt_logprobs:
-            self._collect_prompt_logprobs(res, st, result)
+            result.prompt_logprobs = prompt_logprobs(st, *(to_host(x) for x in (
+                res.prompt_logprobs, res.prompt_ranks, res.prompt_top_ids,
+                res.prompt_top_logprobs)))
         return result
-
-    def _collect_prompt_logprobs(self, res, st: DispatchedStep, result: RunnerOutput) -> None:
-        plp, prank, pids, ptop = (to_host(x) for x in (res.prompt_logprobs, res.prompt_ranks,
-                                                    res.prompt_top_ids, res.prompt_top_logprobs))
-        offset = 0
-        for i, rid in enumerate(st.req_ids):
-            n, k = int(st.n[i]), int(st.num_prompt_logprobs[i])
-            if k >= 0:
-                entries = []
-                for t in range(offset, offset + n):
-                    pos = st.starts[i] + t - offset
-                    if pos + 1 < st.num_prompt_tokens[i]:
-                        entries.append(Logprobs(float(plp[t]), int(prank[t]), pids[t, :k].tolist(),
-                                                ptop[t, :k].tolist()))
-                if entries:
-                    result.prompt_logprobs[rid] = (int(st.starts[i]), entries)
-            offset += n

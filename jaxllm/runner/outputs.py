@@ -81,3 +81,23 @@ class InFlight:
     want_prompt_logprobs: bool
     pending: ForwardOutput | None = None  # the forward pass's outputs, until sampling takes them
     passes: int = 1  # a multi-step call's passes
+
+
+def prompt_logprobs(st: DispatchedStep, plp, ranks, top_ids, top_lps) -> dict:
+    """A step's prompt logprobs on the host ([T] and [T, k] arrays, tokens in the step's
+    flat order) per request that asked for them: (position of the first entry, entries);
+    the entry of position p scores prompt token p + 1."""
+    out, offset = {}, 0
+    for i, rid in enumerate(st.req_ids):
+        n, k = int(st.n[i]), int(st.num_prompt_logprobs[i])
+        if k >= 0:
+            entries = []
+            for t in range(offset, offset + n):
+                pos = st.starts[i] + t - offset
+                if pos + 1 < st.num_prompt_tokens[i]:
+                    entries.append(Logprobs(float(plp[t]), int(ranks[t]), top_ids[t, :k].tolist(),
+                                            top_lps[t, :k].tolist()))
+            if entries:
+                out[rid] = (int(st.starts[i]), entries)
+        offset += n
+    return out

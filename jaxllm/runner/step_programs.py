@@ -11,6 +11,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxllm.core.block_pool import NULL_BLOCK
@@ -281,6 +282,33 @@ def build_set_rows(replicated):
     """Rebuilds ROW_INIT_GROUP rows of the sampler state (donated) from their tokens."""
     rep = replicated
     return jax.jit(set_rows, donate_argnums=(0,), in_shardings=rep, out_shardings=rep)
+
+
+def set_rows_inputs(group, vocab: int, max_model_len: int, spare_row: int):
+    """set_rows' inputs after the sampler state for up to ROW_INIT_GROUP requests entering
+    the batch, [(row, NewRequestData)]: their tokens, prompt lengths, bias and stop rows
+    (padding goes to the spare row)."""
+    K, V, L = ROW_INIT_GROUP, vocab, max_model_len
+    rows = np.full(K, spare_row, np.int32)
+    tokens = np.zeros((K, L), np.int32)
+    n_prompt = np.zeros(K, np.int32)
+    n_tok = np.zeros(K, np.int32)
+    bias = np.zeros((K, V), np.float32)
+    stop = np.zeros((K, V), np.bool_)
+    for j, (row, new) in enumerate(group):
+        p = new.sampling_params
+        rows[j] = row
+        tokens[j, :len(new.token_ids)] = new.token_ids
+        n_prompt[j], n_tok[j] = new.num_prompt_tokens, len(new.token_ids)
+        if p.allowed_token_ids is not None:
+            bias[j] = -np.inf
+            bias[j, p.allowed_token_ids] = 0.0
+        for t, v in (p.logit_bias or {}).items():
+            bias[j, t] += v
+        bias[j, new.banned_token_ids] = -np.inf
+        if p.min_tokens > 0:
+            stop[j, list(new.stop_ids)] = True
+    return rows, tokens, n_prompt, n_tok, bias, stop
 
 
 def abstract_set_rows_inputs(max_model_len: int, vocab: int):
